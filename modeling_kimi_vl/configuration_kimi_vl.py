@@ -1,0 +1,83 @@
+"""Configuration of Kimi-VL: a MoonViT vision tower, a patch-merging projector and a DeepSeek-V3 language model.
+
+Both classes read the published `config.json` files unchanged. Keys that other transformers versions added when they
+saved a config (`_attn_implementation_autoset`, `head_dim`, `qk_head_dim`, ...) are accepted and carried along.
+"""
+
+from transformers import PreTrainedConfig
+from transformers.models.deepseek_v3 import DeepseekV3Config
+
+VISION_ENCODER_TP_MODES = ("weight", "data")
+
+
+class MoonViTConfig(PreTrainedConfig):
+    r"""
+    MoonViT, the native-resolution vision encoder of Kimi-VL.
+
+    The layer-norm epsilon (1e-5), the MLP activation (tanh-approximated GELU) and the 2-D rotary base (10000) are
+    fixed by the released code, not configurable, so they are not fields here.
+
+    patch_size (`int`): side of the square patches the image processor cuts (14).
+    init_pos_emb_height / init_pos_emb_width (`int`): size of the learned position table (64 x 64), resized to each
+        image's patch grid.
+    merge_kernel_size (`list[int]`): patches merged into one language-model token, (rows, cols) = (2, 2).
+    """
+
+    model_type = "moonvit"
+    base_config_key = "vision_config"
+
+    patch_size: int = 14
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    num_attention_heads: int = 16
+    num_hidden_layers: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    merge_kernel_size: tuple[int, int] | list[int] = (2, 2)
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"MoonViT hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+        if (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError(
+                f"MoonViT head dim ({self.hidden_size // self.num_attention_heads}) must be divisible by 4: the 2-D "
+                "rotary embedding gives a quarter of it to rows and a quarter to columns."
+            )
+        self.merge_kernel_size = list(self.merge_kernel_size)
+        super().__post_init__(**kwargs)
+
+
+class KimiVLConfig(PreTrainedConfig):
+    r"""
+    Kimi-VL: `vision_config` is a [`MoonViTConfig`], `text_config` transformers' own [`DeepseekV3Config`].
+
+    media_placeholder_token_id (`int`): the `<|media_pad|>` id; each image fills rows*cols/4 of these positions.
+    ignore_index (`int`): label value ignored by the loss.
+    mm_encoder_tp_mode (`str`): how the vision tower runs under tensor parallelism: `"data"` (replicated, each rank
+        encodes a share of the images) or `"weight"` (the tower's linears are sharded like the language model's).
+    """
+
+    model_type = "kimi_vl"
+    sub_configs_defaults = {"vision_config": MoonViTConfig, "text_config": DeepseekV3Config}
+
+    vision_config: dict | PreTrainedConfig | None = None
+    text_config: dict | PreTrainedConfig | None = None
+    ignore_index: int = -100
+    media_placeholder_token_id: int = 163605
+    pad_token_id: int | None = 0
+    tie_word_embeddings: bool = False
+    mm_encoder_tp_mode: str = "data"
+
+    def __post_init__(self, **kwargs):
+        if self.mm_encoder_tp_mode not in VISION_ENCODER_TP_MODES:
+            raise ValueError(
+                f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}."
+            )
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES"]

@@ -1,0 +1,484 @@
+"""Kimi-VL on transformers 5.x: the MoonViT vision tower, the patch-merging projector, and transformers' native
+DeepSeek-V3 language model, with module names that give exactly the key layout of the published checkpoints.
+
+Data flow of one multimodal forward:
+
+    pixel_values [L, 3, 14, 14], image_grid_hws [N, 2]      (all images' patches, concatenated in image order)
+      -> MoonViTModel                   -> merged patches  [M, 4, vision hidden]   (M = sum rows*cols/4)
+      -> KimiVLMultiModalProjector      -> image features  [M, text hidden]
+      -> written over the <|media_pad|> rows of the token embeddings, in order
+      -> DeepseekV3ForCausalLM          -> logits
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+
+# The released MoonViT fixes these in code rather than in its config.
+MOONVIT_LAYER_NORM_EPS = 1e-5
+MOONVIT_ROPE_THETA = 10000.0
+# The original precomputes a 512 x 512 rotary table: patch rows and columns must stay below this.
+MOONVIT_MAX_GRID_SIDE = 512
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Host-side description of a packed batch of images
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedImages:
+    """Everything the vision tower needs to know about the image boundaries, computed once per forward on the host.
+
+    Every layer receives this object, so no layer ever reads a device tensor back to the host (the grids are read once,
+    in `from_grid_tensor`).
+    """
+
+    grid_hws: tuple[tuple[int, int], ...]  # (rows, cols) of patches per image
+    cu_seqlens: torch.Tensor  # int32 [N + 1] on the compute device, for varlen attention kernels
+    max_seqlen: int
+
+    @property
+    def lengths(self) -> list[int]:
+        return [rows * cols for rows, cols in self.grid_hws]
+
+    @classmethod
+    def from_grid_tensor(
+        cls, image_grid_hws: torch.Tensor, num_patches: int, merge_kernel_size, device: torch.device
+    ) -> "PackedImages":
+        if image_grid_hws.ndim != 2 or image_grid_hws.shape[-1] != 2:
+            raise ValueError(f"image_grid_hws must have shape [num_images, 2], got {tuple(image_grid_hws.shape)}.")
+        grid_hws = tuple((int(rows), int(cols)) for rows, cols in image_grid_hws.tolist())
+        validate_grids(grid_hws, num_patches, merge_kernel_size)
+        lengths = [rows * cols for rows, cols in grid_hws]
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        return cls(grid_hws=grid_hws, cu_seqlens=cu_seqlens, max_seqlen=max(lengths, default=0))
+
+
+def validate_grids(grid_hws, num_patches: int, merge_kernel_size) -> None:
+    """Reject grids the model cannot encode faithfully, naming the offending numbers."""
+    kernel_rows, kernel_cols = merge_kernel_size
+    for index, (rows, cols) in enumerate(grid_hws):
+        if rows <= 0 or cols <= 0:
+            raise ValueError(f"image {index}: grid {rows}x{cols} is empty; every image needs at least one patch.")
+        if rows % kernel_rows or cols % kernel_cols:
+            raise ValueError(
+                f"image {index}: grid {rows}x{cols} is not divisible by the merge kernel "
+                f"{kernel_rows}x{kernel_cols}; the image processor pads images so that it always is."
+            )
+        if rows >= MOONVIT_MAX_GRID_SIDE or cols >= MOONVIT_MAX_GRID_SIDE:
+            raise ValueError(
+                f"image {index}: grid {rows}x{cols} reaches the {MOONVIT_MAX_GRID_SIDE} rotary positions MoonViT "
+                f"supports per side; scale the image down (the image processor does this for you)."
+            )
+    expected = sum(rows * cols for rows, cols in grid_hws)
+    if expected != num_patches:
+        raise ValueError(
+            f"pixel_values holds {num_patches} patches but image_grid_hws describes {expected} "
+            f"({len(grid_hws)} images: {list(grid_hws)})."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MoonViT
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class MoonViTPositionEmbedding(nn.Module):
+    """The learned (height, width, dim) position table, resized to each image's patch grid.
+
+    The resize is bicubic with PyTorch's semantics (align_corners=False, no antialias), as in the release. Serving sees
+    the same grids again and again, so resized tables are kept in a small LRU cache, but only when no gradient is
+    being recorded (the cached tensors must not hold a graph, and training must see fresh values). The cache belongs to
+    one version of the weights: loading or editing the table in place (which bumps its version counter) or moving it
+    (new storage) empties it.
+    """
+
+    def __init__(self, height: int, width: int, dim: int, cache_size: int = 64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(height, width, dim))
+        self.cache_size = cache_size
+        self._resized: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._resized_for_weights: tuple[int, int] | None = None
+
+    def forward(self, grid_hws) -> torch.Tensor:
+        """Returns the position embedding of every patch, `[sum rows*cols, dim]`, images concatenated."""
+        use_cache = self.cache_size > 0 and not torch.is_grad_enabled()
+        if use_cache:
+            self._drop_cache_if_weights_changed()
+        return torch.cat([self._table_for(rows, cols, use_cache) for rows, cols in grid_hws])
+
+    def _table_for(self, rows: int, cols: int, use_cache: bool) -> torch.Tensor:
+        if (rows, cols) == tuple(self.weight.shape[:2]):
+            return self.weight.flatten(0, 1)
+        if not use_cache:
+            return self._resize(rows, cols)
+        table = self._resized.get((rows, cols))
+        if table is None:
+            table = self._resize(rows, cols)
+            self._resized[(rows, cols)] = table
+            if len(self._resized) > self.cache_size:
+                self._resized.popitem(last=False)
+        else:
+            self._resized.move_to_end((rows, cols))
+        return table
+
+    def _resize(self, rows: int, cols: int) -> torch.Tensor:
+        table = self.weight.permute(2, 0, 1).unsqueeze(0)  # [1, dim, height, width]
+        table = F.interpolate(table, size=(rows, cols), mode="bicubic", align_corners=False)
+        return table.squeeze(0).permute(1, 2, 0).flatten(0, 1)
+
+    def _drop_cache_if_weights_changed(self) -> None:
+        # `_version` counts in-place writes (load_state_dict, optimizer steps); data_ptr changes with `.to()`.
+        weights_id = (self.weight.data_ptr(), self.weight._version)
+        if weights_id != self._resized_for_weights:
+            self._resized.clear()
+            self._resized_for_weights = weights_id
+
+    def clear_cache(self) -> None:
+        self._resized.clear()
+
+
+class MoonViTPatchEmbed(nn.Module):
+    """Linear patch projection (a stride-14 convolution over each 14x14 patch) plus the absolute position table."""
+
+    def __init__(self, config: MoonViTConfig):
+        super().__init__()
+        self.proj = nn.Conv2d(3, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size)
+        self.pos_emb = MoonViTPositionEmbedding(
+            config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size
+        )
+
+    def forward(self, pixel_values: torch.Tensor, grid_hws) -> torch.Tensor:
+        patches = self.proj(pixel_values.to(self.proj.weight.dtype)).flatten(1)  # [L, hidden]
+        return patches + self.pos_emb(grid_hws)
+
+
+def moonvit_rotary_angles(grid_hws, head_dim: int, device: torch.device) -> torch.Tensor:
+    """Rotation angles of MoonViT's 2-D rotary embedding, `[L, head_dim // 2]` float32.
+
+    The head dim is viewed as head_dim/2 adjacent pairs. With frequencies f_i = theta^(-4i/head_dim): pair 2i turns by
+    col * f_i and pair 2i+1 by row * f_i (the column drives the even pairs, as in the released code).
+    """
+    freqs = MOONVIT_ROPE_THETA ** (
+        -torch.arange(0, head_dim, 4, dtype=torch.float32, device=device)[: head_dim // 4] / head_dim
+    )
+    positions = [torch.arange(rows * cols, device=device) for rows, cols in grid_hws]
+    rows = torch.cat([index // cols for index, (_, cols) in zip(positions, grid_hws)]).float()
+    cols = torch.cat([index % cols for index, (_, cols) in zip(positions, grid_hws)]).float()
+    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1)  # [L, head_dim/4, 2]
+    return angles.flatten(1)
+
+
+def apply_moonvit_rotary(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate `[L, heads, head_dim]` by the complex `rotation [L, head_dim/2]`, in float32 whatever the model dtype."""
+    pairs = torch.view_as_complex(states.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation.unsqueeze(1)).flatten(-2).type_as(states)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """Reference attention over `[batch, heads, seq, head_dim]`, for `attn_implementation="eager"`."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class MoonViTMLP(nn.Module):
+    def __init__(self, config: MoonViTConfig):
+        super().__init__()
+        self.fc0 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc1 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(hidden_states), approximate="tanh"))
+
+
+class MoonViTEncoderLayer(GradientCheckpointingLayer):
+    """Pre-norm transformer block. Attention stays within each image (non-causal, block-diagonal over the batch).
+
+    `wqkv` rows are all q heads, then all k heads, then all v heads; the head count is read from the projection's
+    output so that a tensor-parallel shard (whole heads per rank) runs the same code.
+    """
+
+    def __init__(self, config: MoonViTConfig):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        self.norm0 = nn.LayerNorm(config.hidden_size, eps=MOONVIT_LAYER_NORM_EPS)
+        self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.wo = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=MOONVIT_LAYER_NORM_EPS)
+        self.mlp = MoonViTMLP(config)
+
+    def forward(self, hidden_states: torch.Tensor, rotation: torch.Tensor, packed: PackedImages) -> torch.Tensor:
+        hidden_states = hidden_states + self.attention(self.norm0(hidden_states), rotation, packed)
+        return hidden_states + self.mlp(self.norm1(hidden_states))
+
+    def attention(self, hidden_states: torch.Tensor, rotation: torch.Tensor, packed: PackedImages) -> torch.Tensor:
+        num_patches = hidden_states.shape[0]
+        query, key, value = self.wqkv(hidden_states).view(num_patches, 3, -1, self.head_dim).unbind(1)
+        query, key = apply_moonvit_rotary(query, rotation), apply_moonvit_rotary(key, rotation)
+        # transformers' attention functions take [batch, heads, seq, head_dim]; the packed images are one "batch row".
+        query, key, value = (states.transpose(0, 1).unsqueeze(0) for states in (query, key, value))
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        dropout = 0.0
+        if "flash" in (self.config._attn_implementation or ""):
+            # Varlen kernel over the packed sequence: one call, image boundaries from cu_seqlens.
+            attn_output, _ = attention_interface(
+                self, query, key, value, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False,
+                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+                max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen,
+            )  # fmt: skip
+        else:
+            # Dense kernels run image by image: exactly the block-diagonal attention, without an L x L mask in memory
+            # (L reaches 16k patches). Splits use host-side lengths, so no device sync happens here.
+            per_image = zip(*(states.split(packed.lengths, dim=2) for states in (query, key, value)))
+            attn_output = torch.cat(
+                [
+                    attention_interface(
+                        self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False
+                    )[0]
+                    for q, k, v in per_image
+                ],
+                dim=1,
+            )
+        return self.wo(attn_output.reshape(num_patches, -1))
+
+
+class MoonViTEncoder(nn.Module):
+    def __init__(self, config: MoonViTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList([MoonViTEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=MOONVIT_LAYER_NORM_EPS)
+
+    def forward(self, hidden_states: torch.Tensor, rotation: torch.Tensor, packed: PackedImages) -> torch.Tensor:
+        for block in self.blocks:
+            hidden_states = block(hidden_states, rotation, packed)
+        return self.final_layernorm(hidden_states)
+
+
+def merge_patches(hidden_states: torch.Tensor, grid_hws, merge_kernel_size) -> torch.Tensor:
+    """Group each image's kernel_rows x kernel_cols neighbourhoods: `[L, C] -> [L / k, k, C]`.
+
+    Merged tokens come in row-major order; inside one, the sources are top-left, top-right, bottom-left, bottom-right.
+    """
+    kernel_rows, kernel_cols = merge_kernel_size
+    hidden = hidden_states.shape[-1]
+    merged = []
+    for (rows, cols), image in zip(grid_hws, hidden_states.split([r * c for r, c in grid_hws])):
+        image = image.view(rows // kernel_rows, kernel_rows, cols // kernel_cols, kernel_cols, hidden)
+        merged.append(image.permute(0, 2, 1, 3, 4).reshape(-1, kernel_rows * kernel_cols, hidden))
+    return torch.cat(merged)
+
+
+class MoonViTPreTrainedModel(PreTrainedModel):
+    config: MoonViTConfig
+    base_model_prefix = ""
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MoonViTEncoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, MoonViTPositionEmbedding):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+
+class MoonViTModel(MoonViTPreTrainedModel):
+    """The vision tower: `pixel_values [L, 3, p, p]` + grids -> merged patches `[sum rows*cols/4, 4, hidden]`."""
+
+    def __init__(self, config: MoonViTConfig):
+        super().__init__(config)
+        self.patch_embed = MoonViTPatchEmbed(config)
+        self.encoder = MoonViTEncoder(config)
+        self.post_init()
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
+        packed = PackedImages.from_grid_tensor(
+            image_grid_hws, pixel_values.shape[0], self.config.merge_kernel_size, pixel_values.device
+        )
+        return self.encode_packed(pixel_values, packed)
+
+    def encode_packed(self, pixel_values: torch.Tensor, packed: PackedImages) -> torch.Tensor:
+        """The forward pass after validation; also the entry point for callers that built `packed` themselves."""
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        angles = moonvit_rotary_angles(packed.grid_hws, head_dim, pixel_values.device)
+        rotation = torch.polar(torch.ones_like(angles), angles)
+        hidden_states = self.patch_embed(pixel_values, packed.grid_hws)
+        hidden_states = self.encoder(hidden_states, rotation, packed)
+        return merge_patches(hidden_states, packed.grid_hws, self.config.merge_kernel_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Projector and the full model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KimiVLMultiModalProjector(nn.Module):
+    """LayerNorm on each of the merged sub-tokens, flatten them, then a two-layer MLP into the text hidden size."""
+
+    def __init__(self, config: KimiVLConfig):
+        super().__init__()
+        vision_hidden = config.vision_config.hidden_size
+        kernel_rows, kernel_cols = config.vision_config.merge_kernel_size
+        merged_hidden = vision_hidden * kernel_rows * kernel_cols
+        self.pre_norm = nn.LayerNorm(vision_hidden, eps=MOONVIT_LAYER_NORM_EPS)
+        self.linear_1 = nn.Linear(merged_hidden, merged_hidden)
+        self.linear_2 = nn.Linear(merged_hidden, config.text_config.hidden_size)
+
+    def forward(self, merged_patches: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.pre_norm(merged_patches).flatten(1)
+        return self.linear_2(F.gelu(self.linear_1(hidden_states)))
+
+
+class KimiVLPreTrainedModel(PreTrainedModel):
+    config: KimiVLConfig
+    base_model_prefix = ""
+    input_modalities = ("image", "text")
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MoonViTEncoderLayer", "DeepseekV3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, GenerationMixin):
+    """Kimi-VL for image-text-to-text generation. Submodules are named as in the release, so its checkpoints load
+    unchanged: `vision_tower.*`, `multi_modal_projector.*`, `language_model.{model,lm_head}.*`."""
+
+    def __init__(self, config: KimiVLConfig):
+        super().__init__(config)
+        self.vision_tower = MoonViTModel(config.vision_config)
+        self.multi_modal_projector = KimiVLMultiModalProjector(config)
+        self.language_model = DeepseekV3ForCausalLM(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.language_model.get_output_embeddings()
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.language_model.set_output_embeddings(value)
+
+    def get_decoder(self) -> nn.Module:
+        return self.language_model.get_decoder()
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
+        """Vision tower output before the projector, `[total merged tokens, 4, vision hidden]` in image order.
+
+        This is the seam where a parallel encoder mode plugs in: it only has to return the same tensor.
+        """
+        return self.vision_tower(pixel_values, image_grid_hws)
+
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
+        """Projected image features, ONE tensor `[total image tokens, text hidden]` in image order."""
+        if image_grid_hws is None:
+            raise ValueError("pixel_values were given without image_grid_hws; the processor returns both.")
+        merged = self.encode_images(pixel_values, image_grid_hws)
+        return self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
+
+    def placeholder_mask(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """Boolean `[batch, seq]` mask of the `<|media_pad|>` positions (from the ids, or the embeddings if no ids)."""
+        placeholder_id = self.config.media_placeholder_token_id
+        if input_ids is not None:
+            return input_ids == placeholder_id
+        placeholder_embedding = self.get_input_embeddings()(
+            torch.tensor(placeholder_id, dtype=torch.long, device=inputs_embeds.device)
+        )
+        return (inputs_embeds == placeholder_embedding).all(-1)
+
+    def merge_image_features(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor, image_features: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the image features over the placeholder rows, in order (batch-major, then sequence)."""
+        mask = self.placeholder_mask(input_ids, inputs_embeds)
+        num_placeholders = int(mask.sum())  # one host read per prefill; a mismatch must not pass silently
+        if num_placeholders != image_features.shape[0]:
+            raise ValueError(
+                f"The prompt has {num_placeholders} image placeholder tokens "
+                f"(id {self.config.media_placeholder_token_id}) but the images give {image_features.shape[0]} "
+                "features; each image needs rows*cols/4 placeholders (the processor expands them)."
+            )
+        return inputs_embeds.masked_scatter(mask.unsqueeze(-1), image_features.to(inputs_embeds.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        image_grid_hws: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        pixel_values (`torch.FloatTensor` of shape `[total patches, 3, patch, patch]`):
+            All images' patches, concatenated in image order, as the processor returns them. Only used at prefill.
+        image_grid_hws (`torch.LongTensor` of shape `[num_images, 2]`):
+            Patch rows and columns of each image. Ignored when there are no `pixel_values` (decode steps).
+        labels (`torch.LongTensor` of shape `[batch, seq]`):
+            Next-token targets aligned with `input_ids` (shifted inside the loss); `-100` is ignored.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            image_features = self.get_image_features(pixel_values, image_grid_hws)
+            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
+
+        return self.language_model(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+
+__all__ = [
+    "MoonViTPreTrainedModel",
+    "MoonViTModel",
+    "KimiVLPreTrainedModel",
+    "KimiVLForConditionalGeneration",
+    "PackedImages",
+]
