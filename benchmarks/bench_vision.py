@@ -1,0 +1,91 @@
+"""Vision tower forward time for a fixed batch of mixed-size images.
+
+Compares, in one run on the same weights:
+  - packed: all images in one forward (one cu_seqlens, host metadata computed once), position cache on;
+  - one image at a time: one forward per image, position cache on;
+  - packed without the position cache (the original's behaviour: resize the 64x64 table for every image, every call).
+
+MoonViT's real width (1152, 16 heads, 4304 MLP, 64x64 position table) is used; the depth defaults to 4 of the 27
+blocks so that a 2-core CPU finishes in about a minute. The position-cache saving is a fixed cost per image, so it
+is a larger share of a shallow tower than of the full one; `--layers 27` measures the full depth.
+
+    python benchmarks/bench_vision.py [--layers 4] [--repeats 5] [--device cpu|cuda]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_seconds, write_result  # noqa: E402
+
+from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
+
+# Mixed grids (rows, cols) as the image processor makes them: portrait, landscape, small, square, panoramic.
+GRIDS = [(24, 16), (16, 30), (8, 8), (20, 20), (6, 40), (12, 12)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4, help="number of MoonViT blocks (the release has 27)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+    if args.layers < 1 or args.repeats < 1:
+        parser.error("--layers and --repeats must be at least 1")
+    dtype = getattr(torch, args.dtype)
+
+    torch.manual_seed(0)
+    config = MoonViTConfig(num_hidden_layers=args.layers, attn_implementation="sdpa")
+    tower = MoonViTModel(config).to(device=args.device, dtype=dtype).eval()
+    pixel_values = torch.randn(sum(r * c for r, c in GRIDS), 3, 14, 14, device=args.device, dtype=dtype)
+    grid_hws = torch.tensor(GRIDS)
+    per_image = list(zip(pixel_values.split([r * c for r, c in GRIDS]), grid_hws.split(1)))
+    pos_emb = tower.patch_embed.pos_emb
+
+    def packed():
+        return tower(pixel_values, grid_hws)
+
+    def one_at_a_time():
+        return torch.cat([tower(pv, grid) for pv, grid in per_image])
+
+    with torch.inference_mode():
+        reference = packed()
+        assert torch.allclose(one_at_a_time(), reference, rtol=1e-4, atol=1e-4), "per-image output differs"
+        packed_seconds = median_seconds(packed, args.repeats)
+        one_at_a_time_seconds = median_seconds(one_at_a_time, args.repeats)
+        cache_size = pos_emb.cache_size
+        pos_emb.cache_size = 0
+        pos_emb.clear_cache()
+        assert torch.equal(packed(), reference), "cache changed the result"
+        no_cache_seconds = median_seconds(packed, args.repeats)
+        pos_emb.cache_size = cache_size
+
+    rows = [
+        ("packed, position cache", packed_seconds),
+        ("one image at a time, position cache", one_at_a_time_seconds),
+        ("packed, no position cache", no_cache_seconds),
+    ]
+    print(f"MoonViT width 1152, {args.layers} blocks, {len(GRIDS)} images, {pixel_values.shape[0]} patches, "
+          f"{args.device} {args.dtype}")  # fmt: skip
+    print(f"{'variant':40s} {'seconds':>9s} {'vs packed':>10s}")
+    for name, seconds in rows:
+        print(f"{name:40s} {seconds:9.4f} {seconds / packed_seconds:9.2f}x")
+
+    path = write_result(
+        f"bench_vision_{args.device}",
+        {
+            "config": {"layers": args.layers, "grids": GRIDS, "patches": pixel_values.shape[0], "dtype": args.dtype},
+            "seconds": {name: seconds for name, seconds in rows},
+            "speedup_packed_vs_one_at_a_time": one_at_a_time_seconds / packed_seconds,
+            "speedup_position_cache": no_cache_seconds / packed_seconds,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmarks: machine description, timing, and writing results as JSON."""
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> dict:
+    """What the numbers were measured on; every result file names its machine."""
+    description = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        description["gpu"] = torch.cuda.get_device_name()
+    return description
+
+
+def median_seconds(function, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `function()` over `repeats` runs, after `warmup` untimed runs."""
+    for _ in range(warmup):
+        function()
+    timings = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
+
+
+def write_result(name: str, result: dict) -> Path:
+    """Write `result` (plus the machine) to benchmarks/results/<name>.json and return the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine_description(), **result}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
