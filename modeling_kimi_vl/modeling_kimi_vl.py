@@ -23,6 +23,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .parallel_kimi_vl import (
+    MOONVIT_TP_PLAN,
+    check_kimi_vl_tp_size,
+    check_vision_tp_size,
+    encode_images_data_parallel,
+    kimi_vl_tp_plan,
+)
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5
@@ -104,7 +111,7 @@ class MoonViTPositionEmbedding(nn.Module):
     (new storage) empties it.
     """
 
-    def __init__(self, height: int, width: int, dim: int, cache_size: int = 64):
+    def __init__(self, height: int, width: int, dim: int, cache_size: int = 32):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(height, width, dim))
         self.cache_size = cache_size
@@ -312,11 +319,18 @@ class MoonViTPreTrainedModel(PreTrainedModel):
 class MoonViTModel(MoonViTPreTrainedModel):
     """The vision tower: `pixel_values [L, 3, p, p]` + grids -> merged patches `[sum rows*cols/4, 4, hidden]`."""
 
+    _tp_plan = MOONVIT_TP_PLAN
+
     def __init__(self, config: MoonViTConfig):
         super().__init__(config)
         self.patch_embed = MoonViTPatchEmbed(config)
         self.encoder = MoonViTEncoder(config)
         self.post_init()
+
+    def _resolve_parallel_plans(self, distributed_config):
+        # transformers resolves the plans once at load, before any weight is sharded: reject a bad TP size there.
+        check_vision_tp_size(self.config, distributed_config.tp_size)
+        return super()._resolve_parallel_plans(distributed_config)
 
     def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
         packed = PackedImages.from_grid_tensor(
@@ -379,6 +393,14 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, GenerationMixin):
         self.multi_modal_projector = KimiVLMultiModalProjector(config)
         self.language_model = DeepseekV3ForCausalLM(config.text_config)
         self.post_init()
+        # post_init gathered the nested models' plans; complete them here, in the class, rather than rely on how a
+        # transformers version merges a plan passed at load time.
+        self._tp_plan = kimi_vl_tp_plan(config, self._tp_plan)
+
+    def _resolve_parallel_plans(self, distributed_config):
+        # transformers resolves the plans once at load, before any weight is sharded: reject a bad TP size there.
+        check_kimi_vl_tp_size(self.config, distributed_config.tp_size)
+        return super()._resolve_parallel_plans(distributed_config)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -400,6 +422,12 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, GenerationMixin):
 
         This is the seam where a parallel encoder mode plugs in: it only has to return the same tensor.
         """
+        if self.config.mm_encoder_tp_mode == "data" and (self.tp_size or 1) > 1:
+            # Validate on every rank before any rank encodes: one failing alone would leave the others in the gather.
+            packed = PackedImages.from_grid_tensor(
+                image_grid_hws, pixel_values.shape[0], self.config.vision_config.merge_kernel_size, pixel_values.device
+            )
+            return encode_images_data_parallel(self.vision_tower, pixel_values, packed.grid_hws)
         return self.vision_tower(pixel_values, image_grid_hws)
 
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
