@@ -1,0 +1,221 @@
+"""Multi-process Kimi-VL: the tensor-parallel plan and the data-parallel vision encoder.
+
+Under `torchrun --nproc_per_node N` with `from_pretrained(..., tp_plan="auto")` every rank sees the same inputs. The
+language model is always tensor-parallel; the vision tower runs in one of two modes (`mm_encoder_tp_mode`):
+
+- `"weight"`: the tower is tensor-parallel too (whole attention heads per rank, two all-reduces per block).
+- `"data"`: the tower is replicated and each rank encodes a share of the images; the merged, pre-projector features
+  are all-gathered once and put back in image order, so the projector and everything after it see exactly what a
+  single process would.
+
+Both modes return the same thing as the single-process model: ONE tensor `[total merged tokens, 4, hidden]` in image
+order.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
+
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+
+def process_state() -> PartialState:
+    """This process's rank and the world, from accelerate (which shares one state per process)."""
+    # Without an accelerator, accelerate sees the (gloo) process group only when asked for CPU explicitly.
+    return PartialState(cpu=not torch.accelerator.is_available())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tensor-parallel plan
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class PackedQKVColwiseParallel(PackedColwiseParallel):
+    """Column-parallel fused `wqkv` whose output rows are all q heads, then all k heads, then all v heads.
+
+    Each rank must get its heads' slice of q, of k AND of v; a contiguous split of the fused rows would give rank 0 all
+    of q and part of k. `_StridedShard(0, split_factor=3)` is exactly that layout: the rows are cut into the 3 groups
+    and each group is split across the ranks. The bias is fused the same way, so it gets the same placement (the parent
+    class splits 1-D parameters contiguously, which suits an unfused bias only). Loading reads each rank's rows straight
+    from the checkpoint, and `save_pretrained` gathers them back to the full layout.
+    """
+
+    def __init__(self):
+        super().__init__(split_factor=3)
+
+    def shard_param(self, module, param, mesh):
+        meta = module._parameters.get(param)
+        if meta is None:
+            return
+        placement = _StridedShard(dim=0, split_factor=self.split_factor)
+        module._parameters[param] = nn.Parameter(
+            distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+        )
+
+
+PACKED_QKV_COLWISE = "packed_qkv_colwise"
+ALL_PARALLEL_STYLES.register(PACKED_QKV_COLWISE, PackedQKVColwiseParallel())
+
+# MoonViT in weight mode. Norms, patch embedding, position table, rotary angles and the patch merger stay replicated.
+MOONVIT_TP_PLAN = {
+    "encoder.blocks.*.wqkv": PACKED_QKV_COLWISE,
+    "encoder.blocks.*.wo": "rowwise",
+    "encoder.blocks.*.mlp.fc0": "colwise",
+    "encoder.blocks.*.mlp.fc1": "rowwise",
+}
+
+
+def language_model_attention_tp_plan(text_config) -> dict[str, str]:
+    """MLA attention of the nested DeepSeek-V3, whose own plan shards only its MLP, MoE and lm_head.
+
+    Heads are split across ranks: the query projection and `kv_b_proj` (the per-head expansion of the shared latent)
+    column-wise, `o_proj` row-wise. `kv_a_proj_with_mqa` produces the latent that every head reads, so it stays whole;
+    its style only sums the rotary part's gradient across ranks.
+    """
+    prefix = "language_model.model.layers.*.self_attn"
+    query_projection = "q_proj" if text_config.q_lora_rank is None else "q_b_proj"
+    return {
+        f"{prefix}.{query_projection}": "colwise",
+        f"{prefix}.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        f"{prefix}.kv_b_proj": "colwise",
+        f"{prefix}.o_proj": "rowwise",
+    }
+
+
+def kimi_vl_tp_plan(config: KimiVLConfig, nested_plan: dict[str, str]) -> dict[str, str]:
+    """The whole model's plan, from the plans its nested models brought (`vision_tower.*` from `MOONVIT_TP_PLAN`,
+    `language_model.*` from DeepSeek-V3) plus the attention entries DeepSeek-V3 lacks. In data mode the tower's
+    entries are dropped: it stays replicated. The projector is always replicated."""
+    mode = config.mm_encoder_tp_mode
+    if mode not in ("weight", "data"):
+        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported; use 'weight' or 'data'.")
+    plan = {
+        name: style for name, style in nested_plan.items() if mode == "weight" or not name.startswith("vision_tower.")
+    }
+    return plan | language_model_attention_tp_plan(config.text_config)
+
+
+def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
+    """Weight mode shards whole heads: the head count must divide by the TP size."""
+    heads = vision_config.num_attention_heads
+    if heads % tp_size:
+        raise ValueError(
+            f"mm_encoder_tp_mode='weight' splits the vision tower's {heads} attention heads across {tp_size} ranks, "
+            f"but {heads} is not divisible by {tp_size}. Load with mm_encoder_tp_mode='data' (the tower is then "
+            f"replicated and each rank encodes a share of the images), or use a TP size that divides {heads}."
+        )
+
+
+def check_kimi_vl_tp_size(config: KimiVLConfig, tp_size: int) -> None:
+    """Reject, at load and before any weight is read, a TP size the model cannot be split by."""
+    if tp_size <= 1:
+        return
+    text_config = config.text_config
+    for what, count in (
+        ("attention heads", text_config.num_attention_heads),
+        ("routed experts", text_config.n_routed_experts),
+    ):
+        if count % tp_size:
+            raise ValueError(
+                f"The language model's {count} {what} are not divisible by the tensor-parallel size {tp_size}; "
+                f"use a TP size that divides {count}."
+            )
+    if config.mm_encoder_tp_mode == "weight":
+        check_vision_tp_size(config.vision_config, tp_size)
+    else:
+        # The encoder shares images among all processes, so they must all be ranks of this one TP group.
+        world_size = process_state().num_processes
+        if world_size != tp_size:
+            raise ValueError(
+                f"mm_encoder_tp_mode='data' shares the images among all {world_size} processes, but the tensor-"
+                f"parallel group has {tp_size}: the encoder needs every process to see the same inputs. Use "
+                f"tp_size={world_size} or mm_encoder_tp_mode='weight'."
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data-parallel vision encoder
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def assign_images_to_ranks(loads: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Longest-processing-time-first: images by load (patch count), largest first, ties in input order; each goes to
+    the rank with the least load so far, ties to the lowest rank. Returns each rank's image indices in the order they
+    were given to it.
+
+    >>> assign_images_to_ranks([1000, 100, 200, 50], 2)
+    [[0], [2, 1, 3]]
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
+    images_per_rank = [[] for _ in range(num_ranks)]
+    load_per_rank = [0] * num_ranks
+    for image in sorted(range(len(loads)), key=lambda index: -loads[index]):  # sorted() is stable
+        rank = min(range(num_ranks), key=load_per_rank.__getitem__)  # min() returns the first, i.e. lowest, rank
+        images_per_rank[rank].append(image)
+        load_per_rank[rank] += loads[image]
+    return images_per_rank
+
+
+def encode_images_data_parallel(
+    vision_tower: nn.Module, pixel_values: torch.Tensor, grid_hws: Sequence[tuple[int, int]]
+) -> torch.Tensor:
+    """Encode the images across all processes; every process returns the full `[total merged tokens, 4, hidden]` in
+    image order.
+
+    `grid_hws` must be validated on every rank before this call, since a rank that failed alone would leave the
+    others waiting in the gather. Every rank derives the same assignment from the same grids, so each knows every
+    rank's token count without communicating: the only collective is one all-gather.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "The data-parallel vision encoder cannot run inside a CUDA graph capture: ranks encode different images "
+            "(some none), so their captured collectives would not match. Run the vision tower eagerly and capture "
+            "only the language model."
+        )
+    state = process_state()
+    kernel_rows, kernel_cols = vision_tower.config.merge_kernel_size
+    patches_per_image = [rows * cols for rows, cols in grid_hws]
+    tokens_per_image = [patches // (kernel_rows * kernel_cols) for patches in patches_per_image]
+    hidden = vision_tower.config.hidden_size
+    if not grid_hws:
+        return pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
+
+    images_per_rank = assign_images_to_ranks(patches_per_image, state.num_processes)
+    my_images = images_per_rank[state.process_index]
+    if my_images:
+        patch_slices = pixel_values.split(patches_per_image)
+        my_pixels = torch.cat([patch_slices[image] for image in my_images])
+        my_grids = torch.tensor([grid_hws[image] for image in my_images], dtype=torch.long)
+        my_features = vision_tower(my_pixels, my_grids)
+    else:
+        # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
+        my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
+
+    tokens_per_rank = [sum(tokens_per_image[image] for image in images) for images in images_per_rank]
+    padded_tokens = max(tokens_per_rank)
+    padding = my_features.new_zeros((padded_tokens - my_features.shape[0], *my_features.shape[1:]))
+    gathered = gather(torch.cat([my_features, padding])).view(state.num_processes, padded_tokens, *my_features.shape[1:])
+
+    features_per_image = [None] * len(grid_hws)
+    for rank, images in enumerate(images_per_rank):
+        rank_features = gathered[rank, : tokens_per_rank[rank]].split([tokens_per_image[image] for image in images])
+        for image, features in zip(images, rank_features):
+            features_per_image[image] = features
+    return torch.cat(features_per_image)
+
+
+__all__ = [
+    "MOONVIT_TP_PLAN",
+    "PackedQKVColwiseParallel",
+    "assign_images_to_ranks",
+    "check_kimi_vl_tp_size",
+    "check_vision_tp_size",
+    "encode_images_data_parallel",
+    "kimi_vl_tp_plan",
+]
