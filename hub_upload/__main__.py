@@ -1,0 +1,89 @@
+"""Command line: `python -m hub_upload export ...` and `python -m hub_upload push ...` (see --help)."""
+
+import argparse
+import sys
+import time
+
+from .export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
+from .model_card import ModelCardInfo
+from .push import PushError, check_repo_id, format_size, plan_upload, push_folder
+from .source import ExportInputError
+from .verify import ExportVerificationError
+from .weights import parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hub_upload", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    export = commands.add_parser("export", help="write a self-contained trust_remote_code folder from an original one")
+    export.add_argument("--source", required=True, help="Kimi-VL folder in the original layout")
+    export.add_argument("--out", required=True, help="folder to create (refused if it exists, unless --overwrite)")
+    export.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD_SIZE,
+                        help=f"largest weight shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")  # fmt: skip
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    export.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip loading the export in a clean interpreter (for models too large for this machine)")  # fmt: skip
+    export.add_argument("--license", default=ModelCardInfo.license, help="license in the model card (default: mit)")
+    export.add_argument("--base-model", help="Hub id of the source checkpoint, for the model card")
+    export.add_argument("--repo-id", help="Hub id the export will have, for the model card's snippets")
+
+    push = commands.add_parser("push", help="upload an exported folder to the Hub in one commit")
+    push.add_argument("--folder", required=True, help="a folder written by `export`")
+    push.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--revision", help="branch to commit to (created if missing; default: main)")
+    push.add_argument("--dry-run", action="store_true", help="print what would be uploaded and stop")
+    return parser
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_export(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    result = export_checkpoint(
+        args.source,
+        args.out,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        card=ModelCardInfo(license=args.license, base_model=args.base_model, repo_id=args.repo_id),
+    )
+    verified = "verified in a clean interpreter" if result.verified else "NOT verified (--no-verify)"
+    print(f"exported {len(result.files)} files ({result.num_shards} weight shards) to {result.folder}, {verified}, "
+          f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
+
+
+def run_push(args: argparse.Namespace) -> None:
+    check_repo_id(args.repo_id)
+    plan = plan_upload(args.folder)
+    target = f"{args.repo_id}@{args.revision or 'main'}" + (" (private)" if args.private else "")
+    print(f"{'would upload' if args.dry_run else 'uploading'} {len(plan.files)} files, "
+          f"{format_size(plan.total_bytes)}, to {target} in one commit:")  # fmt: skip
+    for name, size in plan.files:
+        print(f"  {format_size(size):>10}  {name}")
+    if plan.skipped:
+        print(f"  not uploaded (hidden): {', '.join(plan.skipped)}")
+    if args.dry_run:
+        return
+    commit = push_folder(plan, args.repo_id, private=args.private, revision=args.revision)
+    print(f"committed {commit.oid}: {commit.commit_url}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        (run_export if args.command == "export" else run_push)(args)
+    except (ExportInputError, ExportVerificationError, PushError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

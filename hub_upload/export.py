@@ -1,0 +1,211 @@
+"""`export`: turn a Kimi-VL folder in the original layout into a self-contained trust_remote_code repository.
+
+    read_source(source)        every input checked, all problems in one error; nothing written yet
+    write into a temp folder   beside the target: weights re-sharded, configs with our auto_map, flat code, tokenizer
+    check_export_folder        the structural checks `push` applies
+    verify_export              a fresh interpreter that cannot import our packages loads it through the Auto classes
+    publish                    rename into place (the old target, with --overwrite, is moved aside first)
+
+Any failure or interrupt before `publish` removes the temp folder and leaves the target as it was.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model_card import ModelCardInfo, render_model_card
+from .remote_code import (
+    CHAT_TEMPLATE_FILE,
+    MODEL_AUTO_MAP,
+    PREPROCESSOR_AUTO_MAP,
+    TOKENIZER_AUTO_MAP,
+    flat_code_files,
+)
+from .source import (
+    CHAT_TEMPLATE_NAME,
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    PREPROCESSOR_CONFIG_NAME,
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_MODEL_NAME,
+    ExportInputError,
+    SourceCheckpoint,
+    read_source,
+)
+from .verify import verify_export
+from .weights import INDEX_NAME, parse_size, plan_shards, read_header, write_shards
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+MODEL_CARD_NAME = "README.md"
+REQUIRED_EXPORT_FILES = (
+    CONFIG_NAME,
+    PREPROCESSOR_CONFIG_NAME,
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_MODEL_NAME,
+    CHAT_TEMPLATE_NAME,
+    INDEX_NAME,
+    MODEL_CARD_NAME,
+)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    folder: Path
+    files: list[str]
+    num_shards: int
+    verified: bool
+
+
+def export_checkpoint(
+    source: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    verify: bool = True,
+    card: ModelCardInfo = ModelCardInfo(),
+) -> ExportResult:
+    source, out = Path(source).resolve(), Path(out).resolve()
+    max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    code_files = flat_code_files()
+
+    problems = _output_problems(source, out, overwrite)
+    try:
+        checkpoint = read_source(source)
+    except ExportInputError as error:
+        problems = error.problems + problems
+    if problems:
+        raise ExportInputError(source, problems)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
+    try:
+        num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
+        structural_problems = check_export_folder(staging)
+        if structural_problems:  # our own writer disagrees with our own checker: a bug, never a user error
+            raise RuntimeError("the export is inconsistent:\n" + "\n".join(structural_problems))
+        if verify:
+            verify_export(staging)
+        files = sorted(path.name for path in staging.iterdir())
+        _publish(staging, out)
+    except BaseException:  # KeyboardInterrupt included: never leave a half-written folder behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(folder=out, files=files, num_shards=num_shards, verified=verify)
+
+
+def _output_problems(source: Path, out: Path, overwrite: bool) -> list[str]:
+    if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+        return [f"--out {out} overlaps --source {source}; export into a separate folder"]
+    if out.exists() and not out.is_dir():
+        return [f"--out {out} exists and is not a folder"]
+    if out.exists() and not overwrite:
+        return [f"--out {out} already exists; pass --overwrite to replace it"]
+    return []
+
+
+def _write_export(
+    checkpoint: SourceCheckpoint, folder: Path, max_shard_bytes: int, code_files: dict[str, Path], card: ModelCardInfo
+) -> int:
+    shards = plan_shards(checkpoint.tensors, max_shard_bytes)
+    index = write_shards(shards, folder)
+    _write_json(folder / INDEX_NAME, index)
+
+    _write_json(folder / CONFIG_NAME, {**checkpoint.config, "auto_map": MODEL_AUTO_MAP})
+    _write_json(folder / PREPROCESSOR_CONFIG_NAME, {**checkpoint.preprocessor_config, "auto_map": PREPROCESSOR_AUTO_MAP})
+    tokenizer_config = {key: value for key, value in checkpoint.tokenizer_config.items() if key != "chat_template"}
+    _write_json(folder / TOKENIZER_CONFIG_NAME, {**tokenizer_config, "auto_map": TOKENIZER_AUTO_MAP})
+    shutil.copyfile(checkpoint.folder / TOKENIZER_MODEL_NAME, folder / TOKENIZER_MODEL_NAME)
+    if (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
+        shutil.copyfile(checkpoint.folder / GENERATION_CONFIG_NAME, folder / GENERATION_CONFIG_NAME)
+    # The checkpoint's own template wins (a fine-tune may have changed it); otherwise ours, which matches the release.
+    chat_template = checkpoint.chat_template or CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
+    (folder / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
+
+    for name, path in code_files.items():
+        shutil.copyfile(path, folder / name)
+    (folder / MODEL_CARD_NAME).write_text(render_model_card(checkpoint.config, card), encoding="utf-8")
+    return len(shards)
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished folder to `out`. An existing `out` is renamed aside first and deleted only afterwards, so a
+    failure in between puts it back."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, aside / out.name)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(aside / out.name, out)
+        raise
+    shutil.rmtree(aside)
+
+
+def check_export_folder(folder: str | Path) -> list[str]:
+    """What makes `folder` not a complete export (empty if it is one). Cheap: reads JSON files and weight headers."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [f"{folder} is not a folder"]
+    problems = [f"{name} is missing" for name in REQUIRED_EXPORT_FILES if not (folder / name).is_file()]
+    for name, expected_auto_map in (
+        (CONFIG_NAME, MODEL_AUTO_MAP),
+        (PREPROCESSOR_CONFIG_NAME, PREPROCESSOR_AUTO_MAP),
+        (TOKENIZER_CONFIG_NAME, TOKENIZER_AUTO_MAP),
+    ):
+        problems.extend(_auto_map_problems(folder / name, expected_auto_map))
+    problems.extend(_weight_problems(folder))
+    return problems
+
+
+def _auto_map_problems(path: Path, expected_auto_map: dict) -> list[str]:
+    if not path.is_file():
+        return []
+    try:
+        auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map")
+    except (ValueError, AttributeError):
+        return [f"{path.name} is not a JSON object"]
+    if auto_map != expected_auto_map:
+        return [f"{path.name} has auto_map {auto_map!r}; an export has {expected_auto_map!r}"]
+    class_refs = [ref for refs in expected_auto_map.values() for ref in (refs if isinstance(refs, list) else [refs])]
+    modules = sorted({ref.split(".")[0] for ref in class_refs if ref})
+    return [
+        f"{path.name}'s auto_map needs {module}.py, which is missing"
+        for module in modules
+        if not (path.parent / f"{module}.py").is_file()
+    ]
+
+
+def _weight_problems(folder: Path) -> list[str]:
+    if not (folder / INDEX_NAME).is_file():
+        return []
+    try:
+        weight_map = json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError):
+        return [f"{INDEX_NAME} has no weight_map"]
+    if not weight_map:
+        return [f"{INDEX_NAME} lists no tensors"]
+    problems = []
+    for file_name in sorted(set(weight_map.values())):
+        if not (folder / file_name).is_file():
+            problems.append(f"{INDEX_NAME} names {file_name}, which is missing")
+            continue
+        try:
+            held = set(read_header(folder / file_name))
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        listed = {name for name, file in weight_map.items() if file == file_name}
+        if held != listed:
+            problems.append(f"{file_name} holds {len(held)} tensors, {len(held ^ listed)} of them not as {INDEX_NAME} says")
+    return problems

@@ -1,0 +1,76 @@
+"""The README.md model card of an export: YAML front matter (license, source model) and usage instructions."""
+
+from dataclasses import dataclass
+
+REPO_PLACEHOLDER = "ORG/NAME"
+
+
+@dataclass(frozen=True)
+class ModelCardInfo:
+    license: str = "mit"  # the Kimi-VL release is MIT-licensed
+    base_model: str | None = None  # Hub id of the checkpoint the weights come from, e.g. moonshotai/Kimi-VL-A3B-Instruct
+    repo_id: str | None = None  # where the export will be published; used in the usage snippets
+
+
+def render_model_card(config: dict, info: ModelCardInfo) -> str:
+    repo = info.repo_id or REPO_PLACEHOLDER
+    front_matter = [
+        "---",
+        f"license: {info.license}",
+        "library_name: transformers",
+        "pipeline_tag: image-text-to-text",
+        *([f"base_model: {info.base_model}"] if info.base_model else []),
+        "tags:",
+        "  - kimi_vl",
+        "  - custom_code",
+        "---",
+    ]
+    source = f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model else "a Kimi-VL checkpoint"
+    vision, text = config["vision_config"], config["text_config"]
+    return "\n".join(front_matter) + f"""
+
+# {repo.split("/")[-1]}
+
+The weights of {source}, unchanged (same tensor names, shapes and bits, re-sharded), packaged with the
+transformers-native Kimi-VL code of the kimi-vl-hf project. The code runs on transformers 5.x (>= 5.17): MoonViT
+vision tower ({vision.get("num_hidden_layers")} layers, hidden {vision.get("hidden_size")}), patch-merging projector,
+and transformers' own DeepSeek-V3 language model ({text.get("num_hidden_layers")} layers,
+{text.get("n_routed_experts")} routed experts, {text.get("num_experts_per_tok")} per token).
+
+## Use with transformers
+
+```python
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoProcessor
+
+repo = "{repo}"
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.bfloat16, device_map="auto")
+processor = AutoProcessor.from_pretrained(repo, trust_remote_code=True)
+
+messages = [{{"role": "user", "content": [{{"type": "image"}}, {{"type": "text", "text": "What is in this image?"}}]}}]
+prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+inputs = processor(text=prompt, images=[Image.open("image.png")], return_tensors="pt").to(model.device)
+output = model.generate(**inputs, max_new_tokens=256)
+print(processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0])
+```
+
+## Tensor parallelism with torchrun
+
+The language model (MoE experts and MLA attention) is sharded with transformers' tensor parallelism; the vision tower
+runs data-parallel by default (`mm_encoder_tp_mode="data"` in the config; `"weight"` shards it too). Put the snippet
+above in `generate.py`, load with `tp_plan="auto"` instead of `device_map="auto"`, and run one process per GPU:
+
+```bash
+torchrun --nproc_per_node 8 generate.py
+```
+
+## Demo
+
+The kimi-vl-hf project ships a chat demo: from a clone, `make demo`, or `python -m modeling_kimi_vl.demo`.
+
+## Source and license
+
+Weights: {source}, under the {info.license} license of the original release. Code: the kimi-vl-hf project, exported by
+`python -m hub_upload export`.
+"""

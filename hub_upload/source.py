@@ -1,0 +1,186 @@
+"""Reading and checking a Kimi-VL folder in the original layout before anything is exported.
+
+Every problem found is collected, so one run reports all of them at once (a missing tokenizer AND a wrong tensor shape),
+and nothing has been written when the error is raised.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+
+from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+
+from .weights import INDEX_NAME, SINGLE_FILE_NAME, TensorEntry, natural_key, read_header
+
+CONFIG_NAME = "config.json"
+PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+TOKENIZER_MODEL_NAME = "tiktoken.model"
+GENERATION_CONFIG_NAME = "generation_config.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+# Long lists (a checkpoint of the wrong model) are cut to this many lines per kind of problem.
+MAX_LISTED = 20
+
+
+class ExportInputError(ValueError):
+    """The source folder cannot be exported; `problems` lists every reason found."""
+
+    def __init__(self, folder: Path, problems: list[str]):
+        self.folder = folder
+        self.problems = problems
+        listing = "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(f"cannot export {folder}: {len(problems)} problem(s) found, nothing was written:\n{listing}")
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    folder: Path
+    config: dict
+    tensors: list[TensorEntry]
+    tokenizer_config: dict
+    preprocessor_config: dict
+    chat_template: str | None  # the checkpoint's own template, if it ships one
+
+
+def read_source(folder: Path) -> SourceCheckpoint:
+    """Inventory `folder` and check it against the model its config describes; raise ExportInputError if anything is off."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportInputError(folder, [f"{folder} is not a folder"])
+    problems: list[str] = []
+    config = _read_json(folder / CONFIG_NAME, problems)
+    tokenizer_config = _read_json(folder / TOKENIZER_CONFIG_NAME, problems)
+    preprocessor_config = _read_json(folder / PREPROCESSOR_CONFIG_NAME, problems)
+    if not (folder / TOKENIZER_MODEL_NAME).is_file():
+        problems.append(f"{TOKENIZER_MODEL_NAME} is missing (the tiktoken BPE ranks the tokenizer reads)")
+    tensors = _read_weights(folder, problems)
+    model_config = _check_config(config, problems) if config is not None else None
+    if model_config is not None and tensors:
+        _check_tensors_against_model(model_config, tensors, problems)
+    if problems:
+        raise ExportInputError(folder, problems)
+    return SourceCheckpoint(
+        folder=folder,
+        config=config,
+        tensors=tensors,
+        tokenizer_config=tokenizer_config,
+        preprocessor_config=preprocessor_config,
+        chat_template=_read_chat_template(folder, tokenizer_config),
+    )
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    if not path.is_file():
+        problems.append(f"{path.name} is missing")
+        return None
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        problems.append(f"{path.name} is not valid JSON ({error})")
+        return None
+    if not isinstance(content, dict):
+        problems.append(f"{path.name} must hold a JSON object, found {type(content).__name__}")
+        return None
+    return content
+
+
+def _read_weights(folder: Path, problems: list[str]) -> list[TensorEntry]:
+    """All tensors of the checkpoint: from the index and the shards it names, or from the single model.safetensors."""
+    index_path = folder / INDEX_NAME
+    if index_path.is_file():
+        index = _read_json(index_path, problems)
+        weight_map = index.get("weight_map") if index is not None else None
+        if index is not None and not isinstance(weight_map, dict):
+            problems.append(f"{INDEX_NAME} has no weight_map object")
+        if not isinstance(weight_map, dict):
+            return []
+        return _read_indexed_shards(folder, weight_map, problems)
+    if (folder / SINGLE_FILE_NAME).is_file():
+        return list(_read_shard_header(folder / SINGLE_FILE_NAME, problems).values())
+    problems.append(f"no weights: neither {INDEX_NAME} nor {SINGLE_FILE_NAME} is in the folder")
+    return []
+
+
+def _read_indexed_shards(folder: Path, weight_map: dict, problems: list[str]) -> list[TensorEntry]:
+    names_by_file: dict[str, set[str]] = {}
+    for name, file_name in weight_map.items():
+        names_by_file.setdefault(file_name, set()).add(name)
+    tensors = []
+    for file_name, names in sorted(names_by_file.items()):
+        path = folder / file_name
+        if Path(file_name).name != file_name or not path.is_file():
+            problems.append(f"{INDEX_NAME} names {file_name!r} ({len(names)} tensors), which is not a file in the folder")
+            continue
+        header = _read_shard_header(path, problems)
+        absent = sorted(names - header.keys(), key=natural_key)
+        _list_problems(problems, absent, f"{INDEX_NAME} places {{}} in {file_name}, which does not hold it")
+        unlisted = sorted(header.keys() - names, key=natural_key)
+        _list_problems(problems, unlisted, f"{file_name} holds {{}}, which {INDEX_NAME} does not list")
+        tensors.extend(header[name] for name in names & header.keys())
+    return tensors
+
+
+def _read_shard_header(path: Path, problems: list[str]) -> dict[str, TensorEntry]:
+    try:
+        return read_header(path)
+    except (ValueError, KeyError, TypeError) as error:
+        problems.append(str(error) if isinstance(error, ValueError) else f"{path.name}: malformed header ({error!r})")
+        return {}
+
+
+def _check_config(config: dict, problems: list[str]) -> KimiVLConfig | None:
+    missing = [key for key in ("vision_config", "text_config") if not isinstance(config.get(key), dict)]
+    for key in missing:
+        problems.append(f"{CONFIG_NAME} has no {key} object; a Kimi-VL config nests the vision and the text config")
+    if config.get("model_type") != KimiVLConfig.model_type:
+        problems.append(f"{CONFIG_NAME} has model_type {config.get('model_type')!r}; expected {KimiVLConfig.model_type!r}")
+    if missing:
+        return None
+    try:
+        return KimiVLConfig.from_dict(config)
+    except (ValueError, TypeError) as error:
+        problems.append(f"{CONFIG_NAME} does not describe a valid Kimi-VL model: {error}")
+        return None
+
+
+def expected_checkpoint_shapes(config: KimiVLConfig) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor a checkpoint of `config` holds, in the original (saved) key layout.
+
+    The model is built on the meta device (no memory), and transformers' own save-time conversion turns its state dict
+    into the checkpoint layout (e.g. the fused MoE expert tensors back into per-expert linears).
+    """
+    with torch.device("meta"):
+        model = KimiVLForConditionalGeneration(config)
+    saved = revert_weight_conversion(model, model.state_dict())
+    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
+
+
+def _check_tensors_against_model(config: KimiVLConfig, tensors: list[TensorEntry], problems: list[str]) -> None:
+    expected = expected_checkpoint_shapes(config)
+    found = {entry.name: entry for entry in tensors}
+    missing = sorted(expected.keys() - found.keys(), key=natural_key)
+    _list_problems(problems, missing, "missing tensor {} (the config's model needs it)")
+    unexpected = sorted(found.keys() - expected.keys(), key=natural_key)
+    _list_problems(problems, unexpected, "unexpected tensor {} (the config's model has no such weight)")
+    wrong_shape = [
+        f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, the config needs {list(expected[name])}"
+        for name in sorted(expected.keys() & found.keys(), key=natural_key)
+        if found[name].shape != expected[name]
+    ]
+    _list_problems(problems, wrong_shape, "tensor {}")
+
+
+def _list_problems(problems: list[str], items: list[str], template: str) -> None:
+    problems.extend(template.format(item) for item in items[:MAX_LISTED])
+    if len(items) > MAX_LISTED:
+        problems.append(f"... and {len(items) - MAX_LISTED} more like the {MAX_LISTED} above")
+
+
+def _read_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    if (folder / CHAT_TEMPLATE_NAME).is_file():
+        return (folder / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    return template if isinstance(template, str) else None
