@@ -62,7 +62,7 @@ class KimiVLConfig(PreTrainedConfig):
     """
 
     model_type = "kimi_vl"
-    sub_configs_defaults = {"vision_config": MoonViTConfig, "text_config": DeepseekV3Config}
+    sub_configs = {"vision_config": MoonViTConfig, "text_config": DeepseekV3Config}
 
     vision_config: dict | PreTrainedConfig | None = None
     text_config: dict | PreTrainedConfig | None = None
@@ -73,6 +73,11 @@ class KimiVLConfig(PreTrainedConfig):
     mm_encoder_tp_mode: str = "data"
 
     def __post_init__(self, **kwargs):
+        # Built here rather than through `sub_configs_defaults`, which only the newest 5.x releases have.
+        for key, config_class in self.sub_configs.items():
+            sub_config = getattr(self, key)
+            if not isinstance(sub_config, PreTrainedConfig):
+                setattr(self, key, config_class(**(sub_config or {})))
         if self.mm_encoder_tp_mode not in VISION_ENCODER_TP_MODES:
             raise ValueError(
                 f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}."
