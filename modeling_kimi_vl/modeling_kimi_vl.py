@@ -21,6 +21,7 @@ from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
 from .parallel_kimi_vl import (
@@ -248,7 +249,7 @@ class MoonViTEncoderLayer(GradientCheckpointingLayer):
             self.config._attn_implementation, eager_attention_forward
         )
         dropout = 0.0
-        if "flash" in (self.config._attn_implementation or ""):
+        if is_flash_attention_requested(self.config):
             # Varlen kernel over the packed sequence: one call, image boundaries from cu_seqlens.
             attn_output, _ = attention_interface(
                 self, query, key, value, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False,
