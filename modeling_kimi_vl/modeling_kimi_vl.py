@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .generation_kimi_vl import KimiVLStaticGenerationMixin
 from .parallel_kimi_vl import (
     MOONVIT_TP_PLAN,
     check_kimi_vl_tp_size,
@@ -384,7 +385,7 @@ class KimiVLPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
 
-class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, GenerationMixin):
+class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerationMixin, GenerationMixin):
     """Kimi-VL for image-text-to-text generation. Submodules are named as in the release, so its checkpoints load
     unchanged: `vision_tower.*`, `multi_modal_projector.*`, `language_model.{model,lm_head}.*`."""
 

@@ -1,0 +1,508 @@
+"""Fast generation for Kimi-VL: a static cache of the MLA latent, with prefill and decode replayed from CUDA graphs.
+
+`model.generate(..., cache_implementation="static")` comes here. transformers' `generate` still prepares the request
+(generation config, special tokens, attention mask and position ids, max length, logits processors, stopping criteria,
+the streamer's prompt) and then hands over to `KimiVLStaticGenerationMixin._static_decoding_loop`, passed to it as
+`custom_generate`. The loop runs:
+
+    images  -> vision tower + projector, merged into the prompt embeddings     (eager: shapes follow the images)
+    prompt  -> prefill step of the (batch, length) bucket -> logits of the last prompt token
+    repeat:    logits processors -> next tokens (argmax / multinomial) -> stopping criteria, streamer
+               -> decode step of the batch bucket -> logits of the fed token
+
+A step is one language-model forward over persistent buffers of fixed shape (a `StaticStep`): on CUDA it is captured
+into a CUDA graph the first time it runs and replayed afterwards; elsewhere, or with `cuda_graphs=False`, the very same
+function runs eagerly. All graphs of a model share one memory pool and live as long as the model's weights do.
+
+Layout of one request inside its workspace (batch bucket B, cache capacity C slots):
+
+    slot:   0 ............. T-1 | T ...... Lb-1 | T+1 ... C-1
+    prefill: the prompt as given  | filler (its    |
+             (left padding kept)  | output unused) |
+    decode:                       | token i is written at slot T+i, over the filler
+
+Rows past the real batch are dummy prompts. The prompt keeps its own left padding, so every real token sits in the
+same cache slot and has the same rotary position as in plain `generate()`; that is what keeps greedy outputs
+identical. Which cache slots a query may see is derived from one `key_valid [B, C]` buffer (padding excluded) and the
+query's own slot (causality); a query always sees itself, so no attention row is ever fully masked (an all-masked row
+would give NaN, and 0 * NaN poisons every row that reads it).
+
+Under tensor parallelism all ranks receive identical inputs, so they pick the same buckets and capture (or replay) the
+same graphs in the same order: the sequence of collectives matches across ranks. The vision tower never runs inside
+a capture (under encoder data parallelism, ranks see different images).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation.configuration_utils import GenerationMode
+
+# Experts implementations whose forward has no data-dependent shapes or host reads (the "eager" loop has both).
+CAPTURABLE_EXPERTS_IMPLEMENTATIONS = ("batched_mm", "grouped_mm")
+# Attention implementations that take the explicit 4-D mask the static layout needs.
+SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+# Cache capacities are rounded up to this many slots so that similar requests share a workspace (and its graphs).
+CACHE_SLOT_GRANULE = 256
+
+
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, 4, 8, then multiples of 8: at most 2x padding for small batches, at most 7 dummy rows beyond."""
+    if batch_size <= 8:
+        return 1 << (batch_size - 1).bit_length()
+    return -(-batch_size // 8) * 8
+
+
+def prompt_bucket(length: int) -> int:
+    """16, 32, ..., 256, then multiples of 256: short prompts waste little absolute work, long ones under 256 tokens."""
+    if length <= 256:
+        return max(16, 1 << (length - 1).bit_length())
+    return -(-length // 256) * 256
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The cache: MLA latent only, written at slots chosen by the caller
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class StaticLatentLayer(CacheLayerMixin):
+    """One layer's latent cache: keys `[batch, 1, slots, kv_lora_rank]` (the normalised compressed KV) and values
+    `[batch, 1, slots, qk_rope_head_dim]` (the rotated shared key), exactly what transformers' DeepSeek-V3 attention
+    hands to `Cache.update`. New states are written at `write_slots` of the owning cache; the full buffers are returned
+    and the attention mask hides the slots a query must not see. Allocated on the first update, from the states' own
+    shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never inside a capture.
+    """
+
+    is_compileable = True
+
+    def __init__(self, cache: StaticLatentCache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch_size, num_heads = key_states.shape[:2]
+        slots = self.cache.num_slots
+        self.keys = key_states.new_zeros(batch_size, num_heads, slots, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch_size, num_heads, slots, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.cache.write_slots, key_states)
+        self.values.index_copy_(2, self.cache.write_slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.num_slots, 0
+
+    def get_seq_length(self) -> int:
+        # The filled length lives on the device; the model never needs it (positions and masks are always passed).
+        raise NotImplementedError("StaticLatentCache is driven by explicit slots; pass position_ids and a 4-D mask.")
+
+    def get_max_length(self) -> int:
+        return self.cache.num_slots
+
+
+class StaticLatentCache(Cache):
+    """A fixed-capacity latent cache whose write positions are a device tensor (`write_slots`), set by the step that
+    runs the model: the prefill step writes a whole prompt bucket, a decode step one slot per row."""
+
+    def __init__(self, num_layers: int, num_slots: int):
+        self.num_slots = num_slots
+        self.write_slots: torch.Tensor | None = None
+        super().__init__(layers=[StaticLatentLayer(self) for _ in range(num_layers)])
+
+
+def visible_keys_mask(key_valid: torch.Tensor, query_slots: torch.Tensor, attn_implementation: str, dtype):
+    """4-D attention mask `[batch, 1, queries, slots]`: a query sees the valid slots up to its own, and always itself.
+
+    Built on the device from persistent buffers, so it can sit inside a captured step. `sdpa` takes it as booleans,
+    `eager` as an additive float mask.
+    """
+    slots = torch.arange(key_valid.shape[1], device=key_valid.device)
+    causal = slots[None, :] <= query_slots[:, None]  # [queries, slots]
+    itself = slots[None, :] == query_slots[:, None]
+    visible = causal[None] & (key_valid[:, None, :] | itself[None])  # [batch, queries, slots]
+    visible = visible.unsqueeze(1)
+    if attn_implementation == "eager":
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+            ~visible, torch.finfo(dtype).min
+        )
+    return visible
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Steps: one forward over persistent buffers, eager or replayed from a CUDA graph
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class StaticStep:
+    """`forward()` reads only persistent buffers and returns a tensor. With a graph pool it is captured on its first
+    call (after one eager warm-up run, which settles lazy allocations and kernel selection outside the capture) and
+    replayed afterwards; the caller fills the buffers before each call. Runs are idempotent: the warm-up and the first
+    replay write the same cache slots with the same values."""
+
+    def __init__(self, forward, graph_pool=None):
+        self.forward = forward
+        self.graph_pool = graph_pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph_pool is None:
+            return self.forward()
+        if self.graph is None:
+            self.forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self.output = self.forward()
+            self.graph = graph
+        self.graph.replay()
+        return self.output
+
+
+class GenerationWorkspace:
+    """Everything with a fixed address for requests of one batch bucket and one cache capacity: the latent cache,
+    the input buffers of every step, and the steps themselves (one prefill step per prompt bucket, one decode step)."""
+
+    def __init__(self, model, batch_size: int, num_slots: int, graph_pool):
+        text_config = model.language_model.config
+        device = model.language_model.device
+        self.model = model
+        self.batch_size = batch_size
+        self.num_slots = num_slots
+        self.graph_pool = graph_pool
+        self.cache = StaticLatentCache(text_config.num_hidden_layers, num_slots)
+        self.key_valid = torch.zeros(batch_size, num_slots, dtype=torch.bool, device=device)
+        # Decode inputs: the token fed at each row, its rotary position and its cache slot (shared by all rows).
+        self.decode_input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.decode_positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.decode_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.decode_step = StaticStep(self._decode_forward, graph_pool)
+        self.prefill_steps: dict[int, tuple[StaticStep, dict[str, torch.Tensor]]] = {}
+
+    def _run_language_model(self, write_slots, attention_mask, position_ids, logits_index=None, **inputs):
+        self.cache.write_slots = write_slots
+        outputs = self.model.language_model(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_index if logits_index is not None else 1,
+            **inputs,
+        )
+        return outputs.logits[:, -1]
+
+    def _decode_forward(self) -> torch.Tensor:
+        mask = self._mask(self.decode_slot)
+        return self._run_language_model(
+            self.decode_slot, mask, self.decode_positions, input_ids=self.decode_input_ids
+        )
+
+    def _mask(self, query_slots: torch.Tensor) -> torch.Tensor:
+        language_model = self.model.language_model
+        return visible_keys_mask(
+            self.key_valid, query_slots, language_model.config._attn_implementation, language_model.dtype
+        )
+
+    def _prefill_step(self, length: int) -> tuple[StaticStep, dict[str, torch.Tensor]]:
+        if length not in self.prefill_steps:
+            device = self.key_valid.device
+            hidden_size = self.model.language_model.config.hidden_size
+            buffers = {
+                "inputs_embeds": torch.zeros(
+                    self.batch_size, length, hidden_size, dtype=self.model.language_model.dtype, device=device
+                ),
+                "position_ids": torch.zeros(self.batch_size, length, dtype=torch.long, device=device),
+                "slots": torch.arange(length, device=device),
+                # The last prompt token (the bucket's tail is filler): a 1-D index for `logits_to_keep`.
+                "last_index": torch.zeros(1, dtype=torch.long, device=device),
+            }
+
+            def prefill_forward():
+                return self._run_language_model(
+                    buffers["slots"],
+                    self._mask(buffers["slots"]),
+                    buffers["position_ids"],
+                    logits_index=buffers["last_index"],
+                    inputs_embeds=buffers["inputs_embeds"],
+                )
+
+            self.prefill_steps[length] = (StaticStep(prefill_forward, self.graph_pool), buffers)
+        return self.prefill_steps[length]
+
+    def prefill(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        """Run the prompt (`[batch, T, hidden]`, left-padded, mask and positions as `generate` prepared them) and set
+        up the decode buffers. Returns the logits of the last prompt token, `[batch, vocab]`."""
+        batch_size, prompt_length = attention_mask.shape
+        step, buffers = self._prefill_step(min(prompt_bucket(prompt_length), self.num_slots))
+        buffers["inputs_embeds"].zero_()
+        buffers["inputs_embeds"][:batch_size, :prompt_length].copy_(inputs_embeds)
+        buffers["position_ids"].zero_()
+        buffers["position_ids"][:batch_size, :prompt_length].copy_(position_ids)
+        buffers["last_index"].fill_(prompt_length - 1)
+        # Prompt slots are valid where the mask says so (dummy rows: nowhere); every later slot will hold a generated
+        # token by the time a query can see it.
+        self.key_valid[:, :prompt_length] = False
+        self.key_valid[:batch_size, :prompt_length] = attention_mask.bool()
+        self.key_valid[:, prompt_length:] = True
+        logits = step()[:batch_size]
+
+        # The first decode step feeds slot T at the position after each row's last prompt token.
+        self.decode_slot.fill_(prompt_length - 1)
+        self.decode_positions.zero_()
+        self.decode_positions[:batch_size].copy_(position_ids[:, -1:])
+        self.decode_input_ids.zero_()
+        return logits
+
+    def decode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (`[batch]`) and return the next logits, `[batch, vocab]`."""
+        self.decode_input_ids[: input_ids.shape[0], 0].copy_(input_ids)
+        self.decode_slot.add_(1)
+        self.decode_positions.add_(1)
+        return self.decode_step()[: input_ids.shape[0]]
+
+    @property
+    def num_graphs(self) -> int:
+        steps = [self.decode_step, *(step for step, _ in self.prefill_steps.values())]
+        return sum(step.captured for step in steps)
+
+
+class StaticGenerationState:
+    """Per-model registry of workspaces, keyed by (batch bucket, cache slots), and the graph pool they share.
+
+    Graphs hold the addresses of the weights they read, so everything is dropped when the weights move (`.to()`,
+    reloading into new tensors); writing new values into the same tensors keeps the graphs valid.
+    """
+
+    def __init__(self):
+        self.workspaces: dict[tuple[int, int], GenerationWorkspace] = {}
+        self.graph_pool = None
+        self.weights_key = None
+
+    def workspace(self, model, batch_size: int, num_slots: int, use_graphs: bool) -> GenerationWorkspace:
+        weights_key = tuple(
+            (parameter.device, parameter.dtype, parameter.data_ptr())
+            for parameter in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        ) + (use_graphs,)
+        if weights_key != self.weights_key:
+            self.clear()
+            self.weights_key = weights_key
+        key = (batch_bucket(batch_size), num_slots)
+        if key not in self.workspaces:
+            if use_graphs and self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            self.workspaces[key] = GenerationWorkspace(model, *key, self.graph_pool if use_graphs else None)
+        return self.workspaces[key]
+
+    def clear(self) -> None:
+        self.workspaces.clear()
+        self.graph_pool = None
+        self.weights_key = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The mixin
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KimiVLStaticGenerationMixin:
+    """Routes `generate(..., cache_implementation="static")` to the static-cache, CUDA-graph decoding loop. Everything
+    else goes to transformers' `GenerationMixin.generate` unchanged."""
+
+    def generate(self, inputs=None, generation_config=None, streamer=None, **kwargs):
+        config = generation_config if generation_config is not None else self.generation_config
+        cache_implementation = kwargs.get("cache_implementation", config.cache_implementation)
+        if cache_implementation != "static" or kwargs.get("custom_generate") is not None:
+            return super().generate(inputs, generation_config, streamer=streamer, **kwargs)
+        # `generate` passes a custom loop only the keyword arguments `_sample` does not take, so the streamer is bound
+        # here (transformers still feeds it the prompt itself).
+        decoding_loop = functools.partial(type(self)._static_decoding_loop, streamer=streamer)
+        return super().generate(
+            inputs, generation_config, streamer=streamer, custom_generate=decoding_loop, **kwargs
+        )
+
+    def warm_up_static_generation(self, batch_size: int, prompt_length: int, max_new_tokens: int = 2, **kwargs):
+        """Build the workspace (and, on CUDA, capture the prefill and decode graphs) that a text request of this shape
+        will use, so the first real request does not pay for it. `kwargs` go to `generate` (e.g. `max_cache_len`,
+        `cuda_graphs`); image requests of the same token length use the same graphs."""
+        input_ids = torch.zeros(batch_size, prompt_length, dtype=torch.long, device=self.device)
+        self.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            cache_implementation="static",
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            **kwargs,
+        )
+
+    def clear_static_generation(self) -> None:
+        """Free the static caches, buffers and CUDA graphs kept for `cache_implementation="static"`."""
+        self._static_generation_state().clear()
+
+    def _static_generation_state(self) -> StaticGenerationState:
+        if "_static_generation" not in self.__dict__:
+            self.__dict__["_static_generation"] = StaticGenerationState()
+        return self.__dict__["_static_generation"]
+
+    def _cuda_graphs_unavailable_reason(self) -> str | None:
+        """Why this model cannot replay its language model from CUDA graphs, or None if it can."""
+        text_config = self.language_model.config
+        if self.language_model.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device; the language model is on {self.language_model.device}."
+        if text_config._experts_implementation not in CAPTURABLE_EXPERTS_IMPLEMENTATIONS:
+            return (
+                f"experts_implementation={text_config._experts_implementation!r} routes tokens with data-dependent "
+                f"shapes, which a CUDA graph cannot capture; load the model with experts_implementation set to one "
+                f"of {CAPTURABLE_EXPERTS_IMPLEMENTATIONS}."
+            )
+        if text_config._experts_implementation == "grouped_mm" and torch.cuda.get_device_capability(
+            self.language_model.device
+        ) < (8, 0):
+            return "grouped_mm needs compute capability 8.0 or newer; use experts_implementation='batched_mm'."
+        return None
+
+    def _static_decoding_loop(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer=None,
+        cuda_graphs: bool | None = None,
+        **model_kwargs,
+    ):
+        """The decoding loop of `generate(..., cache_implementation="static")`, run by `generate` once it has prepared
+        the request. `cuda_graphs`: None replays graphs when possible, True requires them, False runs eagerly."""
+        pixel_values = model_kwargs.pop("pixel_values", None)
+        image_grid_hws = model_kwargs.pop("image_grid_hws", None)
+        attention_mask = model_kwargs.pop("attention_mask", None)
+        position_ids = model_kwargs.pop("position_ids", None)
+        # `generate` also prepared a transformers StaticCache (allocated lazily, so still empty): the workspace keeps
+        # its own, whose address the graphs hold across calls.
+        for prepared in ("past_key_values", "use_cache", "logits_to_keep"):
+            model_kwargs.pop(prepared, None)
+        unsupported = sorted(name for name, value in model_kwargs.items() if value is not None)
+        if unsupported:
+            raise ValueError(
+                f"generate(cache_implementation='static') does not take {unsupported}; it takes input_ids, "
+                "attention_mask, pixel_values and image_grid_hws."
+            )
+        self._check_static_request(input_ids, attention_mask, pixel_values, generation_config)
+
+        reason = self._cuda_graphs_unavailable_reason()
+        if cuda_graphs and reason is not None:
+            raise ValueError(f"cuda_graphs=True, but {reason}")
+        use_graphs = reason is None if cuda_graphs is None else cuda_graphs
+
+        batch_size, prompt_length = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        position_ids = position_ids.expand(batch_size, -1)
+        num_slots = self._static_cache_slots(prompt_length, generation_config)
+        workspace = self._static_generation_state().workspace(self, batch_size, num_slots, use_graphs)
+
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            image_features = self.get_image_features(pixel_values, image_grid_hws)
+            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
+        next_token_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
+
+        # From here on, the same token selection and stopping logic as GenerationMixin._sample.
+        pad_token_id = generation_config._pad_token_tensor
+        has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        return_dict = generation_config.return_dict_in_generate
+        scores = () if return_dict and generation_config.output_scores else None
+        raw_logits = () if return_dict and generation_config.output_logits else None
+        unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+        while True:
+            next_token_logits = next_token_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+            next_token_scores = logits_processor(input_ids, next_token_logits)
+            if scores is not None:
+                scores += (next_token_scores,)
+            if raw_logits is not None:
+                raw_logits += (next_token_logits,)
+            if generation_config.do_sample:
+                probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                next_tokens = torch.argmax(next_token_scores, dim=-1)
+            if has_eos_stopping_criteria:
+                next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            if unfinished_sequences.max() == 0:
+                break
+            next_token_logits = workspace.decode(next_tokens)
+
+        if streamer is not None:
+            streamer.end()
+        if return_dict:
+            return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+        return input_ids
+
+    def _check_static_request(self, input_ids, attention_mask, pixel_values, generation_config) -> None:
+        """Reject what the static path cannot do, before anything runs."""
+        if input_ids.shape[1] == 0:
+            raise ValueError("generate(cache_implementation='static') needs a non-empty prompt in input_ids.")
+        mode = generation_config.get_generation_mode()
+        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            raise ValueError(
+                f"generate(cache_implementation='static') supports greedy search and sampling, not {mode.value}; "
+                "use the default cache for it."
+            )
+        if generation_config.output_attentions or generation_config.output_hidden_states:
+            raise ValueError(
+                "generate(cache_implementation='static') cannot return attentions or hidden states (the steps run "
+                "as CUDA graphs); use the default cache for them."
+            )
+        if pixel_values is not None and generation_config.num_return_sequences > 1:
+            raise ValueError(
+                "num_return_sequences > 1 with images is not supported by generate(cache_implementation='static'); "
+                "repeat the prompt (and its images) in the batch instead."
+            )
+        if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+            raise ValueError(
+                "generate(cache_implementation='static') needs left padding: some rows of attention_mask end in "
+                "padding. Tokenize with padding_side='left'."
+            )
+        attn_implementation = self.language_model.config._attn_implementation
+        if attn_implementation not in SUPPORTED_ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"generate(cache_implementation='static') runs the language model with attn_implementation "
+                f"{SUPPORTED_ATTENTION_IMPLEMENTATIONS}, not {attn_implementation!r}; call "
+                "model.set_attn_implementation('sdpa') first."
+            )
+
+    def _static_cache_slots(self, prompt_length: int, generation_config) -> int:
+        """Cache capacity for this request: `max_cache_len` if the generation config sets one (so that all requests
+        share one workspace), else the request's length rounded up to `CACHE_SLOT_GRANULE`."""
+        max_length = generation_config.max_length
+        request = (
+            f"the prompt ({prompt_length} tokens) plus max_new_tokens ({max_length - prompt_length}) is "
+            f"{max_length} tokens"
+        )
+        max_positions = self.language_model.config.max_position_embeddings
+        if max_length > max_positions:
+            raise ValueError(f"{request}, more than the model's max_position_embeddings ({max_positions}).")
+        max_cache_len = getattr(generation_config, "max_cache_len", None)
+        if max_cache_len is not None:
+            if max_length > max_cache_len:
+                raise ValueError(f"{request}, more than the static cache holds (max_cache_len={max_cache_len}).")
+            return max_cache_len
+        return -(-max_length // CACHE_SLOT_GRANULE) * CACHE_SLOT_GRANULE
+
+
+__all__ = ["KimiVLStaticGenerationMixin", "StaticLatentCache"]

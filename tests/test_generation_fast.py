@@ -1,0 +1,319 @@
+"""`generate(cache_implementation="static")`: the static latent cache with prefill/decode steps (CUDA graphs on GPU).
+
+On CPU the very same steps run eagerly, so these tests pin the bucketed layout, masks, positions and the decoding loop
+against plain `generate()`. The `test_cuda_*` tests run only where CUDA is available (benchmarks/gpu_check.sh).
+"""
+
+import threading
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from modeling_kimi_vl import KimiVLForConditionalGeneration
+
+PLACEHOLDER_ID = 300  # <|media_pad|> of the tiny checkpoint
+PAD_ID = 0
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def random_images(grids, seed):
+    generator = torch.Generator().manual_seed(seed)
+    pixel_values = torch.randn(sum(rows * cols for rows, cols in grids), 3, 14, 14, generator=generator)
+    return pixel_values, torch.tensor(grids, dtype=torch.long)
+
+
+def prompt_ids(grids, text_ids):
+    """Text, then per image a run of rows*cols/4 placeholders followed by more text."""
+    ids = list(text_ids)
+    for rows, cols in grids:
+        ids += [PLACEHOLDER_ID] * (rows * cols // 4) + [11, 12]
+    return ids
+
+
+def batched_multi_image_request(device="cpu"):
+    """Three left-padded prompts of different lengths: two images, none, one image (not a power-of-two batch)."""
+    grids_per_prompt = [[(4, 6), (2, 2)], [], [(6, 4)]]
+    prompts = [prompt_ids(grids, text_ids=range(20 + i, 25 + 3 * i)) for i, grids in enumerate(grids_per_prompt)]
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[PAD_ID] * (width - len(ids)) + ids for ids in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    images = [random_images(grids, seed=i) for i, grids in enumerate(grids_per_prompt) if grids]
+    request = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "pixel_values": torch.cat([pixel_values for pixel_values, _ in images]),
+        "image_grid_hws": torch.cat([grids for _, grids in images]),
+    }
+    return {name: tensor.to(device) for name, tensor in request.items()}
+
+
+def fixture_request(expected, device="cpu"):
+    return {
+        "input_ids": expected["mm_input_ids"].to(device),
+        "pixel_values": expected["pixel_values"].to(device),
+        "image_grid_hws": expected["image_grid_hws"].to(device),
+    }
+
+
+@pytest.fixture
+def model(reference_model):
+    """The shared reference model with no static-generation state left over from another test."""
+    reference_model.clear_static_generation()
+    yield reference_model
+    reference_model.clear_static_generation()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Greedy outputs equal plain generate()
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_on_the_reference_fixture_equals_plain_generate_and_the_original(model, expected):
+    request = fixture_request(expected)
+    max_new_tokens = expected["mm_generated"].shape[1] - request["input_ids"].shape[1]
+    plain = model.generate(**request, max_new_tokens=max_new_tokens, do_sample=False)
+    static = model.generate(**request, max_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, plain)
+    assert torch.equal(static, expected["mm_generated"])
+
+
+def test_batched_left_padded_multi_image_greedy_equals_plain_generate(model):
+    request = batched_multi_image_request()
+    plain = model.generate(**request, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
+    static = model.generate(
+        **request, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static"
+    )
+    assert torch.equal(static, plain)
+    # Three rows run in a workspace of batch bucket 4: the dummy row must not leak into the real ones.
+    assert list(model._static_generation_state().workspaces) == [(4, 256)]
+
+
+def test_several_eos_ids_stop_rows_independently_like_plain_generate(model):
+    request = batched_multi_image_request()
+    width = request["input_ids"].shape[1]
+    free_run = model.generate(**request, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
+    # Two stop ids that occur early in two different rows, so one row stops while the others go on.
+    eos_ids = [int(free_run[0, width + 2]), int(free_run[2, width + 4])]
+    assert eos_ids[0] != eos_ids[1]
+    settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID, eos_token_id=eos_ids)
+    plain = model.generate(**request, **settings)
+    static = model.generate(**request, **settings, cache_implementation="static")
+    assert torch.equal(static, plain)
+    assert (static[:, width:] == PAD_ID).any(), "one row must have finished early and been padded"
+
+
+def test_eager_attention_gives_the_same_tokens(reference_checkpoint, expected):
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, attn_implementation="eager").eval()
+    request = batched_multi_image_request()
+    plain = model.generate(**request, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID)
+    static = model.generate(
+        **request, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static"
+    )
+    assert torch.equal(static, plain)
+
+
+def test_only_the_mla_latent_is_cached_sized_from_the_request(model, expected):
+    request = fixture_request(expected)  # 57 prompt tokens + 40 new -> 97 slots, rounded up to 256
+    model.generate(**request, max_new_tokens=40, do_sample=False, cache_implementation="static")
+    (workspace,) = model._static_generation_state().workspaces.values()
+    text_config = model.config.text_config
+    assert len(workspace.cache.layers) == text_config.num_hidden_layers
+    for layer in workspace.cache.layers:
+        assert layer.keys.shape == (1, 1, 256, text_config.kv_lora_rank)
+        assert layer.values.shape == (1, 1, 256, text_config.qk_rope_head_dim)
+
+
+def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
+    request = fixture_request(expected)
+    model.warm_up_static_generation(batch_size=1, prompt_length=request["input_ids"].shape[1])
+    workspaces = dict(model._static_generation_state().workspaces)
+    assert list(workspaces) == [(1, 256)]
+    first = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    second = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert torch.equal(first, second)
+    assert model._static_generation_state().workspaces == workspaces
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling, streaming, outputs
+# ---------------------------------------------------------------------------------------------------------------------
+
+SAMPLING = dict(do_sample=True, temperature=1.3, top_k=50, top_p=0.95, repetition_penalty=1.2, max_new_tokens=16)
+
+
+def sample(model, request, seed, **settings):
+    torch.manual_seed(seed)
+    return model.generate(**request, pad_token_id=PAD_ID, **settings)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_follows_plain_generate(model):
+    request = batched_multi_image_request()
+    first = sample(model, request, seed=7, cache_implementation="static", **SAMPLING)
+    again = sample(model, request, seed=7, cache_implementation="static", **SAMPLING)
+    other_seed = sample(model, request, seed=8, cache_implementation="static", **SAMPLING)
+    plain = sample(model, request, seed=7, **SAMPLING)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other_seed)
+    # Same processors (temperature, top-k, top-p, repetition penalty) and the same random draws as plain generate().
+    assert torch.equal(first, plain)
+
+
+def test_sampling_with_top_k_1_is_greedy(model):
+    request = batched_multi_image_request()
+    greedy = model.generate(**request, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID)
+    top_1 = sample(model, request, seed=3, do_sample=True, top_k=1, max_new_tokens=8, cache_implementation="static")
+    assert torch.equal(top_1, greedy)
+
+
+def test_return_dict_carries_scores_and_logits(model, expected):
+    output = model.generate(
+        **fixture_request(expected), max_new_tokens=5, do_sample=False, cache_implementation="static",
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )  # fmt: skip
+    assert len(output.scores) == len(output.logits) == 5
+    new_tokens = output.sequences[0, -5:]
+    assert torch.equal(torch.stack([scores[0].argmax() for scores in output.scores]), new_tokens)
+    assert output.logits[0].shape == (1, model.config.text_config.vocab_size)
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        assert not self.ended
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_the_prompt_then_each_token_then_end(model, expected):
+    request = fixture_request(expected)
+    streamer = RecordingStreamer()
+    output = model.generate(
+        **request, max_new_tokens=6, do_sample=False, cache_implementation="static", streamer=streamer
+    )
+    assert streamer.ended
+    assert torch.equal(streamer.chunks[0], request["input_ids"])
+    assert len(streamer.chunks) == 1 + 6
+    assert torch.cat([chunk.view(-1) for chunk in streamer.chunks[1:]]).tolist() == output[0, -6:].tolist()
+
+
+class SpacedIdTokenizer:
+    """Stands in for a tokenizer in TextIteratorStreamer: token i decodes to the word "t<i>" (space-separated, so
+    the streamer releases text word by word)."""
+
+    def decode(self, token_ids, **kwargs):
+        return "".join(f"t{int(token)} " for token in token_ids)
+
+
+def test_text_iterator_streamer_yields_the_generated_text(model, expected):
+    request = fixture_request(expected)
+    tokenizer = SpacedIdTokenizer()
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    result = {}
+
+    def run():
+        result["output"] = model.generate(
+            **request, max_new_tokens=10, do_sample=False, cache_implementation="static", streamer=streamer
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pieces = list(streamer)
+    thread.join()
+    assert len(pieces) > 1, "text must arrive in pieces, while generating"
+    assert "".join(pieces) == tokenizer.decode(result["output"][0, -10:])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors and the graphs switch
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_request_longer_than_max_positions_or_the_cache_is_a_clear_error(model, expected):
+    request = fixture_request(expected)  # 57 tokens; the tiny model has 512 positions
+    with pytest.raises(ValueError, match=r"57 tokens.*max_new_tokens \(500\).*max_position_embeddings \(512\)"):
+        model.generate(**request, max_new_tokens=500, cache_implementation="static")
+    with pytest.raises(ValueError, match=r"max_cache_len=64"):
+        model.generate(**request, max_new_tokens=20, cache_implementation="static", max_cache_len=64)
+    assert model._static_generation_state().workspaces == {}, "nothing may be allocated or run before the error"
+
+
+def test_fixed_max_cache_len_is_used_as_the_capacity(model, expected):
+    request = fixture_request(expected)
+    output = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                            max_cache_len=100)  # fmt: skip
+    assert torch.equal(output, expected["mm_generated"])
+    assert list(model._static_generation_state().workspaces) == [(1, 100)]
+
+
+def test_bad_requests_are_rejected_with_what_is_allowed(model, expected):
+    request = batched_multi_image_request()
+    right_padded = dict(request, attention_mask=request["attention_mask"].flip(-1))
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(**right_padded, max_new_tokens=4, cache_implementation="static", pad_token_id=PAD_ID)
+    with pytest.raises(ValueError, match="greedy search and sampling, not beam_search"):
+        model.generate(**fixture_request(expected), max_new_tokens=4, num_beams=2, cache_implementation="static")
+
+
+def test_cuda_graphs_switch_on_cpu(model, expected):
+    request = fixture_request(expected)
+    with pytest.raises(ValueError, match="cuda_graphs=True, but CUDA graphs need a CUDA device"):
+        model.generate(**request, max_new_tokens=4, cache_implementation="static", cuda_graphs=True)
+    output = model.generate(
+        **request, max_new_tokens=12, do_sample=False, cache_implementation="static", cuda_graphs=False
+    )
+    assert torch.equal(output, expected["mm_generated"])
+    (workspace,) = model._static_generation_state().workspaces.values()
+    assert workspace.num_graphs == 0
+
+
+def test_other_cache_implementations_keep_plain_generate(model, expected):
+    output = model.generate(**fixture_request(expected), max_new_tokens=12, do_sample=False)
+    assert torch.equal(output, expected["mm_generated"])
+    assert model._static_generation_state().workspaces == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA: graph capture and replay (benchmarks/gpu_check.sh runs these on a GPU machine)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    ("dtype", "experts_implementation"), [(torch.float32, "batched_mm"), (torch.bfloat16, "grouped_mm")]
+)
+def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_checkpoint, dtype, experts_implementation):
+    model = KimiVLForConditionalGeneration.from_pretrained(
+        reference_checkpoint, dtype=dtype, experts_implementation=experts_implementation
+    ).to("cuda").eval()  # fmt: skip
+    request = batched_multi_image_request("cuda")
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static")
+    graphs = model.generate(**request, **settings, cuda_graphs=True)
+    workspace = next(iter(model._static_generation_state().workspaces.values()))
+    assert workspace.num_graphs == 2  # one prefill bucket, one decode step
+    replayed = model.generate(**request, **settings, cuda_graphs=True)
+    assert workspace.num_graphs == 2, "the second call must replay, not capture again"
+    eager = model.generate(**request, **settings, cuda_graphs=False)
+    assert torch.equal(graphs, replayed)
+    assert torch.equal(graphs, eager)
+    if dtype == torch.float32:
+        plain = model.generate(**request, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
+        assert torch.equal(graphs, plain)
+
+
+@requires_cuda
+def test_cuda_eager_experts_cannot_be_captured(reference_checkpoint, expected):
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="eager")
+    model = model.to("cuda").eval()
+    request = fixture_request(expected, "cuda")
+    with pytest.raises(ValueError, match="data-dependent"):
+        model.generate(**request, max_new_tokens=4, cache_implementation="static", cuda_graphs=True)
+    # Left to choose, the model falls back to the same steps without graphs.
+    output = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert torch.equal(output.cpu(), expected["mm_generated"])
