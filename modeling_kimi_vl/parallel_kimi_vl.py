@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import VISION_ENCODER_TP_MODES, KimiVLConfig, MoonViTConfig
 
 def process_state() -> PartialState:
     """This process's rank and the world, from accelerate (which shares one state per process)."""
@@ -92,8 +92,9 @@ def kimi_vl_tp_plan(config: KimiVLConfig, nested_plan: dict[str, str]) -> dict[s
     `language_model.*` from DeepSeek-V3) plus the attention entries DeepSeek-V3 lacks. In data mode the tower's
     entries are dropped: it stays replicated. The projector is always replicated."""
     mode = config.mm_encoder_tp_mode
-    if mode not in ("weight", "data"):
-        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported; use 'weight' or 'data'.")
+    if mode not in VISION_ENCODER_TP_MODES:
+        # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
+        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}.")
     plan = {
         name: style for name, style in nested_plan.items() if mode == "weight" or not name.startswith("vision_tower.")
     }

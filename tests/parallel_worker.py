@@ -1,0 +1,125 @@
+"""One rank of the multi-process tests, launched by tests/test_parallel.py through torchrun (gloo, CPU).
+
+For every scenario it computes the single-process result on this rank alone (no collectives), then the same with the
+model loaded tensor-parallel across all ranks, and writes both to `<out>/rank<r>.safetensors`, plus what it observed
+(load errors, what each rank's vision tower encoded, local weight shapes) to `<out>/rank<r>.json`. The test process
+compares them; this script asserts nothing itself so that every difference is reported, not just the first.
+
+Scenarios: "two_images" (the fixture's prompt), "one_image" (fewer images than ranks), "three_images" (very different
+sizes), "text_only" (the fixture's text batch).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DistributedConfig
+
+from modeling_kimi_vl import KimiVLForConditionalGeneration
+
+PLACEHOLDER_ID = 300
+NEW_TOKENS = 8
+
+
+def image_prompt(grids: list[tuple[int, int]], generator: torch.Generator) -> torch.Tensor:
+    """`[1, T]` ids: a few text tokens before every image, then rows*cols/4 placeholders for it, then a text tail."""
+    pieces = []
+    for rows, cols in grids:
+        pieces += [torch.randint(3, PLACEHOLDER_ID, (3,), generator=generator), torch.full((rows * cols // 4,), PLACEHOLDER_ID)]
+    pieces.append(torch.randint(3, PLACEHOLDER_ID, (4,), generator=generator))
+    return torch.cat(pieces).unsqueeze(0)
+
+
+def build_scenarios(expected: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    first_grid = tuple(expected["image_grid_hws"][0].tolist())
+    first_patches = first_grid[0] * first_grid[1]
+    # Patch counts 192, 4 and 24: on 2 ranks the largest goes alone to rank 0, the two small ones to rank 1.
+    three_grids = [(16, 12), (2, 2), (4, 6)]
+    return {
+        "two_images": {
+            "input_ids": expected["mm_input_ids"],
+            "pixel_values": expected["pixel_values"],
+            "image_grid_hws": expected["image_grid_hws"],
+        },
+        "one_image": {
+            "input_ids": image_prompt([first_grid], generator),
+            "pixel_values": expected["pixel_values"][:first_patches],
+            "image_grid_hws": expected["image_grid_hws"][:1],
+        },
+        "three_images": {
+            "input_ids": image_prompt(three_grids, generator),
+            "pixel_values": torch.randn(sum(r * c for r, c in three_grids), 3, 14, 14, generator=generator),
+            "image_grid_hws": torch.tensor(three_grids),
+        },
+        "text_only": {"input_ids": expected["txt_input_ids"]},
+    }
+
+
+@torch.no_grad()
+def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) -> None:
+    """Logits, greedy tokens and merged vision features of every scenario, and the grids this rank's vision tower
+    encoded during each scenario's forward."""
+    tower_grids = []
+    hook = model.vision_tower.register_forward_hook(lambda module, args, output: tower_grids.append(args[1].tolist()))
+    for name, inputs in scenarios.items():
+        tower_grids.clear()
+        results[f"{prefix}.{name}.logits"] = model(**inputs).logits
+        report[f"{prefix}.{name}.tower_grids"] = list(tower_grids)
+        results[f"{prefix}.{name}.tokens"] = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        if "pixel_values" in inputs:
+            results[f"{prefix}.{name}.merged"] = model.encode_images(inputs["pixel_values"], inputs["image_grid_hws"])
+    hook.remove()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reference", type=Path, required=True, help="the tiny reference checkpoint (3 vision heads)")
+    parser.add_argument("--even-heads", type=Path, required=True, help="the same weights with 4 vision heads")
+    parser.add_argument("--expected", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    expected = load_file(args.expected)
+    scenarios = build_scenarios(expected)
+    results, report = {}, {"world_size": int(os.environ["WORLD_SIZE"])}
+
+    def load(path, **kwargs):
+        return KimiVLForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa", **kwargs).eval()
+
+    # Data mode (the default) on the reference checkpoint.
+    run_scenarios(load(args.reference), scenarios, "reference.single", results, report)
+    model = load(args.reference, tp_plan="auto")
+    report["data.mode"] = model.config.mm_encoder_tp_mode
+    report["data.tp_size"] = model.tp_size
+    report["data.q_proj_local_shape"] = list(model.language_model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
+    report["data.wqkv_is_plain_parameter"] = type(model.vision_tower.encoder.blocks[0].wqkv.weight) is torch.nn.Parameter
+    run_scenarios(model, scenarios, "reference.data", results, report)
+    model.save_pretrained(args.out / "saved_data")
+    del model
+
+    # Weight mode with 3 vision heads on 2 ranks must be refused at load.
+    try:
+        load(args.reference, tp_plan="auto", mm_encoder_tp_mode="weight")
+        report["weight_3_heads.error"] = None
+    except ValueError as error:
+        report["weight_3_heads.error"] = str(error)
+
+    # Weight mode on the 4-head checkpoint, loaded with the newer form of the TP request.
+    run_scenarios(load(args.even_heads), scenarios, "even.single", results, report)
+    model = load(args.even_heads, distributed_config=DistributedConfig(tp_size=2), mm_encoder_tp_mode="weight")
+    wqkv = model.vision_tower.encoder.blocks[0].wqkv
+    report["weight.wqkv_local_shape"] = list(wqkv.weight.to_local().shape)
+    report["weight.wqkv_bias_local_shape"] = list(wqkv.bias.to_local().shape)
+    run_scenarios(model, scenarios, "even.weight", results, report)
+    model.save_pretrained(args.out / "saved_weight")
+
+    save_file({name: tensor.contiguous() for name, tensor in results.items()}, args.out / f"rank{rank}.safetensors")
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
