@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,demo
 
-.PHONY: venv test demo bench clean
+.PHONY: venv browser test demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -17,11 +17,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-test: venv
+# The browser test (tests/test_app_browser.py) drives Debian's chromium; install it when missing. CI runs as root
+# with apt access; KIMI_VL_SKIP_BROWSER_TEST=1 skips both this step and that test on a developer machine.
+browser:
+	@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x /usr/bin/chromium || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
+test: venv browser
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) -m modeling_kimi_vl.demo
+	$(PY) app.py
 
 bench: venv
 	$(PY) benchmarks/bench_vision.py
