@@ -1,0 +1,125 @@
+"""Processor of Kimi-VL: chat template, image placeholder expansion, batching; and the Thinking-output splitter."""
+
+from pathlib import Path
+from typing import NamedTuple
+
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
+
+from .image_processing_kimi_vl import KimiVLImageProcessorKwargs
+
+
+IMAGE_PLACEHOLDER = "<|media_pad|>"
+THINK_OPEN = "◁think▷"
+THINK_CLOSE = "◁/think▷"
+
+
+class KimiVLProcessorKwargs(ProcessingKwargs, total=False):
+    images_kwargs: KimiVLImageProcessorKwargs
+
+
+def _packaged_chat_template() -> str | None:
+    """The chat template shipped beside this file (absent when only the .py files were copied, as remote code)."""
+    path = Path(__file__).with_name("chat_template.jinja")
+    return path.read_text() if path.is_file() else None
+
+
+class KimiVLProcessor(ProcessorMixin):
+    r"""
+    Kimi-VL processor: a [`KimiVLImageProcessor`], a [`KimiVLTokenizer`] and the Kimi-VL chat template.
+
+    `processor(text=..., images=...)` replaces the i-th `<|media_pad|>` in the text(s) by rows * cols /
+    (merge rows * merge cols) copies for the i-th image, tokenizes (padding a batch; `padding_side="left"` for
+    generation) and returns `input_ids`, `attention_mask`, `pixel_values` and `image_grid_hws`.
+    """
+
+    valid_processor_kwargs = KimiVLProcessorKwargs
+    text_kwargs = {"padding": True}
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or _packaged_chat_template())
+        self.image_token = IMAGE_PLACEHOLDER
+        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+
+    def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
+        texts = _as_text_list(text)
+        output_kwargs = self._merge_kwargs(
+            KimiVLProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs
+        )
+        placeholder_count = sum(sample.count(IMAGE_PLACEHOLDER) for sample in texts)
+        image_inputs = {}
+        if images is not None:
+            image_inputs = dict(self.image_processor(images, **output_kwargs["images_kwargs"]))
+        image_count = 0 if images is None else len(image_inputs["image_grid_hws"])
+        if placeholder_count != image_count:
+            raise ValueError(
+                f"The text has {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} image(s) "
+                "were given; each image needs exactly one placeholder (the chat template writes them)."
+            )
+        if image_count:
+            texts = self._expand_placeholders(texts, image_inputs["image_grid_hws"].tolist())
+        text_inputs = self.tokenizer(texts, **output_kwargs["text_kwargs"])
+        return_tensors = output_kwargs["text_kwargs"].get("return_tensors")
+        return BatchFeature(data={**text_inputs, **image_inputs}, tensor_type=return_tensors)
+
+    def tokens_per_image(self, grid_hw: list[int]) -> int:
+        """Placeholder tokens for an image with this (rows, cols) patch grid: one per merge window."""
+        rows, columns = grid_hw
+        merge_rows, merge_columns = self.image_processor.merge_kernel_size
+        if rows % merge_rows or columns % merge_columns:
+            raise ValueError(
+                f"An image has a {rows}x{columns} patch grid, not divisible by the {merge_rows}x{merge_columns} "
+                "merge kernel; process images with pad_input=True."
+            )
+        return (rows // merge_rows) * (columns // merge_columns)
+
+    def _expand_placeholders(self, texts: list[str], grids: list[list[int]]) -> list[str]:
+        counts = iter(self.tokens_per_image(grid) for grid in grids)
+        expanded = []
+        for sample in texts:
+            pieces = sample.split(IMAGE_PLACEHOLDER)
+            # Between every two pieces there was one placeholder; it becomes that image's run of placeholders.
+            runs = [IMAGE_PLACEHOLDER * next(counts) for _ in pieces[1:]]
+            expanded.append("".join(piece + run for piece, run in zip(pieces, [*runs, ""])))
+        return expanded
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return ["input_ids", "attention_mask", "pixel_values", "image_grid_hws"]
+
+
+def _as_text_list(text) -> list[str]:
+    if isinstance(text, str):
+        return [text]
+    if isinstance(text, (list, tuple)) and text and all(isinstance(sample, str) for sample in text):
+        return list(text)
+    raise ValueError(f"`text` must be a string or a non-empty list of strings, got {type(text).__name__}: {text!r:.80}")
+
+
+class ThinkingSplit(NamedTuple):
+    reasoning: str
+    answer: str
+    finished_thinking: bool
+
+
+def split_thinking(output: str) -> ThinkingSplit:
+    """Split a Kimi-VL Thinking model's output `◁think▷ reasoning ◁/think▷ answer` into its parts.
+
+    - No markers: no reasoning; everything is the answer.
+    - Only the closing marker (the prompt already opened the block): the text before it is the reasoning.
+    - An opening marker but no closing one (generation stopped while thinking): all of it is reasoning,
+      the answer is empty and `finished_thinking` is False.
+    Text before an opening marker, if any, is kept in front of the answer. Both parts are stripped.
+    """
+    before, opened, rest = output.partition(THINK_OPEN)
+    if not opened:
+        before, rest = "", output
+    reasoning, closed, after = rest.partition(THINK_CLOSE)
+    if closed:
+        return ThinkingSplit(reasoning.strip(), (before + after).strip(), True)
+    if opened:
+        return ThinkingSplit(reasoning.strip(), before.strip(), False)
+    return ThinkingSplit("", output.strip(), True)
+
+
+__all__ = ["KimiVLProcessor", "KimiVLProcessorKwargs", "ThinkingSplit", "split_thinking"]
