@@ -24,6 +24,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Packe
 
 from .configuration_kimi_vl import VISION_ENCODER_TP_MODES, KimiVLConfig, MoonViTConfig
 
+
 def process_state() -> PartialState:
     """This process's rank and the world, from accelerate (which shares one state per process)."""
     # Without an accelerator, accelerate sees the (gloo) process group only when asked for CPU explicitly.
@@ -201,7 +202,8 @@ def encode_images_data_parallel(
     tokens_per_rank = [sum(tokens_per_image[image] for image in images) for images in images_per_rank]
     padded_tokens = max(tokens_per_rank)
     padding = my_features.new_zeros((padded_tokens - my_features.shape[0], *my_features.shape[1:]))
-    gathered = gather(torch.cat([my_features, padding])).view(state.num_processes, padded_tokens, *my_features.shape[1:])
+    gathered = gather(torch.cat([my_features, padding]))
+    gathered = gathered.view(state.num_processes, padded_tokens, *my_features.shape[1:])
 
     features_per_image = [None] * len(grid_hws)
     for rank, images in enumerate(images_per_rank):

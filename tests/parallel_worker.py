@@ -28,7 +28,8 @@ def image_prompt(grids: list[tuple[int, int]], generator: torch.Generator) -> to
     """`[1, T]` ids: a few text tokens before every image, then rows*cols/4 placeholders for it, then a text tail."""
     pieces = []
     for rows, cols in grids:
-        pieces += [torch.randint(3, PLACEHOLDER_ID, (3,), generator=generator), torch.full((rows * cols // 4,), PLACEHOLDER_ID)]
+        pieces.append(torch.randint(3, PLACEHOLDER_ID, (3,), generator=generator))
+        pieces.append(torch.full((rows * cols // 4,), PLACEHOLDER_ID))
     pieces.append(torch.randint(3, PLACEHOLDER_ID, (4,), generator=generator))
     return torch.cat(pieces).unsqueeze(0)
 
@@ -95,8 +96,10 @@ def main():
     model = load(args.reference, tp_plan="auto")
     report["data.mode"] = model.config.mm_encoder_tp_mode
     report["data.tp_size"] = model.tp_size
-    report["data.q_proj_local_shape"] = list(model.language_model.model.layers[0].self_attn.q_proj.weight.to_local().shape)
-    report["data.wqkv_is_plain_parameter"] = type(model.vision_tower.encoder.blocks[0].wqkv.weight) is torch.nn.Parameter
+    q_proj = model.language_model.model.layers[0].self_attn.q_proj
+    report["data.q_proj_local_shape"] = list(q_proj.weight.to_local().shape)
+    wqkv = model.vision_tower.encoder.blocks[0].wqkv
+    report["data.wqkv_is_plain_parameter"] = type(wqkv.weight) is torch.nn.Parameter  # replicated, not a DTensor
     run_scenarios(model, scenarios, "reference.data", results, report)
     model.save_pretrained(args.out / "saved_data")
     del model

@@ -181,7 +181,9 @@ def worker_run(reference_dir, even_heads_checkpoint, tmp_path_factory) -> Path:
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     # Own process group, so that a hang can be ended together with the workers torchrun started.
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -228,7 +230,8 @@ def test_weight_mode_matches_single_process(rank_results, rank, scenario):
 
 def test_single_process_reference_matches_the_fixture(rank_results, expected):
     # Anchors the comparisons above: the single-process side is the original code's output.
-    torch.testing.assert_close(rank_results[0]["reference.single.two_images.logits"], expected["mm_logits"], rtol=1e-4, atol=1e-5)
+    single = rank_results[0]["reference.single.two_images.logits"]
+    torch.testing.assert_close(single, expected["mm_logits"], rtol=1e-4, atol=1e-5)
 
 
 def test_language_model_attention_is_sharded(rank_reports):
