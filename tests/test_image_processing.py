@@ -16,7 +16,6 @@ from image_processing.image_processing_kimi_vl import accepted_preprocess_kwargs
 
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "reference_tiny"
 
 
 def _load_original_pipeline():
@@ -49,16 +48,15 @@ def _assert_same_as_original(images, **settings):
 
 
 @pytest.mark.parametrize("name", ["rgb_84x168", "rgb_420x280", "rgb_700x500", "rgba_90x60"])
-def test_matches_fixture_for_every_image(name):
-    expected = load_file(FIXTURES / "improc_expected.safetensors")
-    processed = KimiVLImageProcessor(in_token_limit=4096, pad_input=True)(Image.open(FIXTURES / "images" / f"{name}.png"))
+def test_matches_fixture_for_every_image(name, reference_dir):
+    expected = load_file(reference_dir / "improc_expected.safetensors")
+    processed = KimiVLImageProcessor(in_token_limit=4096, pad_input=True)(Image.open(reference_dir / "images" / f"{name}.png"))
     assert torch.equal(processed["image_grid_hws"], expected[f"{name}.image_grid_hws"])
     torch.testing.assert_close(processed["pixel_values"], expected[f"{name}.pixel_values"], rtol=0, atol=1e-6)
 
 
-def test_matches_fixture_batch_with_downscaling():
-    expected = load_file(FIXTURES / "expected.safetensors")
-    images = [Image.open(FIXTURES / "images" / name) for name in ("rgb_84x168.png", "rgb_420x280.png")]
+def test_matches_fixture_batch_with_downscaling(reference_dir, expected):
+    images = [Image.open(reference_dir / "images" / name) for name in ("rgb_84x168.png", "rgb_420x280.png")]
     processed = KimiVLImageProcessor(in_token_limit=64, pad_input=True)(images)
     assert torch.equal(processed["image_grid_hws"], expected["image_grid_hws"])
     torch.testing.assert_close(processed["pixel_values"], expected["pixel_values"], rtol=0, atol=1e-6)

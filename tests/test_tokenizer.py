@@ -1,0 +1,144 @@
+"""KimiVLTokenizer: ids equal tiktoken built the original's way, special tokens, decoding, files, tiny layout."""
+
+import base64
+import json
+
+import pytest
+import tiktoken
+from transformers import AutoTokenizer
+
+from image_processing import KimiVLTokenizer, write_tiny_tokenizer
+from image_processing.tiny_tokenizer import SPECIAL_TOKEN_OFFSETS
+from image_processing.tokenization_kimi_vl import MAX_RUN_CHARS, PAT_STR, read_tiktoken_ranks
+
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "I'll say we've done what they'd want, it's John's turn, WE'VE SHOUTED",
+    "人工智能正在改变世界。月之暗面发布了Kimi大模型，支持超长上下文。",
+    "1234567890 3.14159 2026-07-18 一二三",
+    "def foo(x: int) -> int:\n    return x + 1\n\n\t\r\n   ",
+    "café naïve Zürich 🚀 mixed 世界 done",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return KimiVLTokenizer.from_pretrained(tiny_dir)
+
+
+def reference_encoding(directory, num_reserved) -> tiktoken.Encoding:
+    """tiktoken.Encoding as the released tokenization_moonshot.py builds it from the same two files."""
+    ranks = read_tiktoken_ranks(str(directory / "tiktoken.model"))
+    named = json.loads((directory / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    specials = {
+        named.get(str(i), {}).get("content", f"<|reserved_token_{i}|>"): i
+        for i in range(len(ranks), len(ranks) + num_reserved)
+    }
+    return tiktoken.Encoding("reference", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def test_ids_equal_the_original_construction(tiny_dir, tokenizer):
+    reference = reference_encoding(tiny_dir, 41)
+    specials = "".join(f"x {token} y" for token in SPECIAL_TOKEN_OFFSETS) + "<|reserved_token_290|>"
+    for text in [*TEXTS, specials]:
+        assert tokenizer(text)["input_ids"] == reference.encode(text, allowed_special="all")
+        assert tokenizer.encode(text, add_special_tokens=True) == reference.encode(text, allowed_special="all")
+
+
+def test_tiny_layout_fits_the_tiny_checkpoint(tokenizer):
+    assert len(tokenizer) == tokenizer.vocab_size == 320
+    assert tokenizer.convert_tokens_to_ids("<|media_pad|>") == 300
+    first_special = tokenizer.num_base_tokens
+    for token, offset in SPECIAL_TOKEN_OFFSETS.items():
+        assert tokenizer.convert_tokens_to_ids(token) == first_special + offset
+    assert max(tokenizer(" ".join(TEXTS))["input_ids"]) < 320
+
+
+def test_special_token_strings_encode_to_single_ids(tokenizer):
+    for token in [*SPECIAL_TOKEN_OFFSETS, "<|reserved_token_310|>"]:
+        assert tokenizer(f"a{token}b")["input_ids"] == [ord("a"), tokenizer.convert_tokens_to_ids(token), ord("b")]
+
+
+def test_decode_round_trips_and_skips_special_tokens(tokenizer):
+    for text in TEXTS:
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    ids = tokenizer("<|im_user|>user<|im_middle|>hi<|im_end|>")["input_ids"]
+    assert tokenizer.decode(ids) == "<|im_user|>user<|im_middle|>hi<|im_end|>"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "userhi"
+    assert tokenizer.convert_tokens_to_string(tokenizer.tokenize("Zürich 世界")) == "Zürich 世界"
+
+
+def test_decode_rejects_ids_outside_the_vocabulary(tokenizer):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tokenizer.decode([5, 320])
+
+
+def test_save_pretrained_writes_the_same_files_back(tiny_dir, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "tiktoken.model").read_bytes() == (tiny_dir / "tiktoken.model").read_bytes()
+    original = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert saved["added_tokens_decoder"] == original["added_tokens_decoder"]
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "num_reserved_special_tokens", "tokenizer_class"):
+        assert saved[key] == original[key]
+    reloaded = KimiVLTokenizer.from_pretrained(tmp_path)
+    assert all(reloaded(text)["input_ids"] == tokenizer(text)["input_ids"] for text in TEXTS)
+
+
+def test_auto_tokenizer_loads_it(tiny_dir):
+    assert isinstance(AutoTokenizer.from_pretrained(tiny_dir), KimiVLTokenizer)
+
+
+def _write_vocabulary(directory, merges):
+    """A byte-level vocabulary plus `merges` (in rank order), with the 256 reserved specials of the release."""
+    tokens = [bytes([byte]) for byte in range(256)] + [m if isinstance(m, bytes) else m.encode() for m in merges]
+    lines = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens))
+    (directory / "tiktoken.model").write_text(lines)
+    named = {str(len(tokens) + offset): {"content": token} for token, offset in [("[BOS]", 0), ("[EOS]", 1)]}
+    named.update({str(len(tokens) + 254): {"content": "[UNK]"}, str(len(tokens) + 255): {"content": "[PAD]"}})
+    (directory / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": named}))
+    return KimiVLTokenizer.from_pretrained(directory)
+
+
+def test_pre_tokenisation_is_moonshots(tmp_path):
+    merges = ["12", "123", "1234", "中".encode()[:2], "中", "中a", "'S", "T'S", " -", " --"]
+    tokenizer = _write_vocabulary(tmp_path, merges)
+    first_merge = 256
+    merge_id = {merge if isinstance(merge, str) else None: first_merge + rank for rank, merge in enumerate(merges)}
+    # Numbers in groups of at most three: "1234" is in the vocabulary but cannot be produced.
+    assert tokenizer("1234")["input_ids"] == [merge_id["123"], ord("4")]
+    # Han characters are a pre-token of their own, never merged with Latin letters.
+    assert tokenizer("中a")["input_ids"] == [merge_id["中"], ord("a")]
+    # Contractions stay on the word, case-insensitively: "IT'S" keeps "T'S" together.
+    assert tokenizer("IT'S")["input_ids"] == [ord("I"), merge_id["T'S"]]
+    # Punctuation takes one leading space: " --" is one token.
+    assert tokenizer("a --")["input_ids"] == [ord("a"), merge_id[" --"]]
+
+
+def test_long_runs_are_cut_like_the_original(tmp_path):
+    tokenizer = _write_vocabulary(tmp_path, ["aa", "aaa"])
+    reference = reference_encoding(tmp_path, 256)
+    text = "a" * (MAX_RUN_CHARS + 1)
+    expected = reference.encode("a" * MAX_RUN_CHARS) + reference.encode("a")
+    assert tokenizer(text)["input_ids"] == expected
+    assert expected != reference.encode(text)  # the cut matters for the ids
+
+
+def test_bad_files_are_explained(tmp_path):
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\nnot-a-line\n")
+    with pytest.raises(ValueError, match="line 2: expected 'base64-token rank'"):
+        read_tiktoken_ranks(str(tmp_path / "tiktoken.model"))
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\nYg== 5\n")
+    with pytest.raises(ValueError, match="ranks must be the distinct integers 0..1"):
+        read_tiktoken_ranks(str(tmp_path / "tiktoken.model"))
+
+
+def test_named_tokens_outside_the_reserved_range_are_rejected(tiny_dir):
+    with pytest.raises(ValueError, match=r"ids \[5\] are outside the reserved special range \[279, 320\)"):
+        KimiVLTokenizer(str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder={5: "x"})
