@@ -1,0 +1,148 @@
+"""KimiVLProcessor and chat template: exact prompts, placeholder expansion, batching, fixture outputs, splitter."""
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor
+
+from image_processing import KimiVLImageProcessor, KimiVLProcessor, KimiVLTokenizer, split_thinking, write_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_dir):
+    return KimiVLProcessor(KimiVLImageProcessor(in_token_limit=64), KimiVLTokenizer.from_pretrained(tiny_dir))
+
+
+IMAGE = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"
+
+
+def _conversation(first_image, second_image, third_image):
+    return [
+        {"role": "user", "content": [{"type": "image", "image": first_image}, {"type": "image", "path": second_image},
+                                     {"type": "text", "text": "Compare these."}]},
+        {"role": "assistant", "content": "The first is wider."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image", "image": third_image}]},
+    ]
+
+
+def test_multi_turn_multi_image_prompt_is_exact(processor):
+    prompt = processor.apply_chat_template(_conversation(None, None, None), add_generation_prompt=True)
+    assert prompt == (
+        "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>"
+        f"<|im_user|>user<|im_middle|>{IMAGE}{IMAGE}Compare these.<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>The first is wider.<|im_end|>"
+        f"<|im_user|>user<|im_middle|>And this one?{IMAGE}<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+
+
+def test_given_system_turn_replaces_the_default_and_no_generation_prompt(processor):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert processor.apply_chat_template(messages) == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>"
+    )
+
+
+def test_template_rejects_unknown_roles_and_items(processor):
+    with pytest.raises(Exception, match="Unsupported role tool"):
+        processor.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(Exception, match="Unsupported content type video"):
+        processor.apply_chat_template([{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}])
+
+
+def test_apply_chat_template_tokenizes_with_images_from_pil_and_paths(processor, tmp_path):
+    images = [Image.new("RGB", (200, 90), "red"), Image.new("RGBA", (50, 120), "blue"), Image.new("L", (300, 300), 7)]
+    images[1].save(tmp_path / "second.png")
+    inputs = processor.apply_chat_template(
+        _conversation(images[0], str(tmp_path / "second.png"), images[2]),
+        tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt",
+    )
+    assert set(inputs) == {"input_ids", "attention_mask", "pixel_values", "image_grid_hws"}
+    expected = processor.image_processor(images)
+    assert torch.equal(inputs["pixel_values"], expected["pixel_values"])
+    assert torch.equal(inputs["image_grid_hws"], expected["image_grid_hws"])
+    # The model merges 2 x 2 patches into one token: rows * cols / 4 placeholders per image, in image order.
+    runs = _placeholder_runs(inputs["input_ids"][0].tolist(), processor.image_token_id)
+    assert runs == [rows * cols // 4 for rows, cols in expected["image_grid_hws"].tolist()]
+
+
+def _placeholder_runs(ids, placeholder_id):
+    runs, length = [], 0
+    for token_id in [*ids, None]:
+        if token_id == placeholder_id:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    return runs
+
+
+def test_fixture_processor_outputs(processor, reference_dir, expected):
+    images = [Image.open(reference_dir / "images" / name) for name in ("rgb_84x168.png", "rgb_420x280.png")]
+    inputs = processor(text=f"Look {IMAGE} and {IMAGE} please", images=images, return_tensors="pt")
+    torch.testing.assert_close(inputs["pixel_values"], expected["pixel_values"], rtol=0, atol=1e-6)
+    assert torch.equal(inputs["image_grid_hws"], expected["image_grid_hws"])
+    reference_runs = _placeholder_runs(expected["mm_input_ids"][0].tolist(), 300)
+    assert _placeholder_runs(inputs["input_ids"][0].tolist(), processor.image_token_id) == reference_runs
+    assert processor.image_token_id == 300
+
+
+def test_batch_padding_left_and_right(processor):
+    texts = [f"short {IMAGE}", f"a much longer prompt text here {IMAGE}"]
+    images = [Image.new("RGB", (28, 28)), Image.new("RGB", (56, 28))]
+    left = processor(text=texts, images=images, padding_side="left", return_tensors="pt")
+    right = processor(text=texts, images=images, return_tensors="pt")
+    pad = processor.tokenizer.pad_token_id
+    assert left["input_ids"].shape == right["input_ids"].shape
+    assert left["attention_mask"][0, 0] == 0 and left["attention_mask"][0, -1] == 1 and left["input_ids"][0, 0] == pad
+    assert right["attention_mask"][0, 0] == 1 and right["attention_mask"][0, -1] == 0 and right["input_ids"][0, -1] == pad
+    assert [row.count(processor.image_token_id) for row in left["input_ids"].tolist()] == [1, 2]
+
+
+@pytest.mark.parametrize("placeholders, image_count", [(2, 1), (1, 2), (1, 0)])
+def test_placeholder_and_image_counts_must_match(processor, placeholders, image_count):
+    text = "x" + "<|media_pad|>" * placeholders
+    images = [Image.new("RGB", (28, 28))] * image_count or None
+    with pytest.raises(ValueError, match=rf"{placeholders} <\|media_pad\|> placeholder\(s\) but {image_count} image"):
+        processor(text=text, images=images)
+
+
+def test_bad_text_and_unmergeable_grid_are_explained(processor, tiny_dir):
+    with pytest.raises(ValueError, match="`text` must be a string or a non-empty list of strings"):
+        processor(text=[1, 2])
+    cropping = KimiVLProcessor(KimiVLImageProcessor(pad_input=False), KimiVLTokenizer.from_pretrained(tiny_dir))
+    with pytest.raises(ValueError, match="3x5 patch grid, not divisible by the 2x2 merge kernel"):
+        cropping(text=IMAGE, images=Image.new("RGB", (70, 42)))
+
+
+def test_generic_kwargs_are_tolerated(processor):
+    inputs = processor(text=IMAGE, images=Image.new("RGB", (28, 28)), device="cpu", return_tensors="pt")
+    assert inputs["input_ids"][0].tolist().count(processor.image_token_id) == 1
+
+
+def test_save_and_load_keep_template_and_settings(processor, tmp_path):
+    processor.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").read_text() == processor.chat_template
+    loaded = AutoProcessor.from_pretrained(tmp_path)
+    assert isinstance(loaded, KimiVLProcessor) and loaded.image_processor.in_token_limit == 64
+    messages = _conversation(None, None, None)
+    assert loaded.apply_chat_template(messages) == processor.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize(
+    "output, reasoning, answer, finished",
+    [
+        ("◁think▷Count the cats.◁/think▷There are two cats.", "Count the cats.", "There are two cats.", True),
+        ("◁think▷\nStill going, no end", "Still going, no end", "", False),
+        ("Just an answer.", "", "Just an answer.", True),
+        ("reasoning from a prompt-opened block◁/think▷ Answer", "reasoning from a prompt-opened block", "Answer", True),
+        ("Lead. ◁think▷ r ◁/think▷ tail", "r", "Lead.  tail", True),
+    ],
+)
+def test_split_thinking(output, reasoning, answer, finished):
+    assert tuple(split_thinking(output)) == (reasoning, answer, finished)
