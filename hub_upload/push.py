@@ -68,7 +68,8 @@ def push_folder(
     """Create the repository (and branch) if needed, then upload every planned file in a single commit."""
     check_repo_id(repo_id)
     api = api or HfApi()
-    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    # Without --private the Hub applies its default (the namespace's setting) rather than forcing "public".
+    api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
     if revision is not None:
         api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=plan.folder / name) for name, _ in plan.files]

@@ -1,0 +1,386 @@
+"""hub_upload: export the tiny reference checkpoint, load it through the Auto classes where only the exported files
+provide our code, and publish it to a local stand-in for the Hub."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import hub_upload.export as export_module
+from hub_upload import (
+    ExportInputError,
+    ExportVerificationError,
+    PushError,
+    check_export_folder,
+    export_checkpoint,
+    plan_upload,
+    run_isolated,
+)
+from hub_upload.__main__ import main as cli_main
+from hub_upload.push import check_repo_id
+from hub_upload.remote_code import MODEL_AUTO_MAP, PREPROCESSOR_AUTO_MAP, TOKENIZER_AUTO_MAP
+from hub_upload.weights import parse_size
+from image_processing.tiny_tokenizer import write_tiny_tokenizer
+
+from hub_stand_in import HubStandIn
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+# The hub's Instruct preprocessor_config.json, with its auto_map pointing at the original release's files.
+INSTRUCT_PREPROCESSOR_CONFIG = {
+    "auto_map": {
+        "AutoImageProcessor": "image_processing_kimi_vl.KimiVLImageProcessor",
+        "AutoProcessor": "processing_kimi_vl.KimiVLProcessor",
+    },
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "KimiVLImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "in_token_limit": 4096,
+    "merge_kernel_size": [2, 2],
+    "num_pooled_tokens": 1024,
+    "pad_input": True,
+    "patch_size": 14,
+    "processor_class": "KimiVLProcessor",
+}
+SHIPPED_CODE = {
+    "configuration_kimi_vl.py",
+    "modeling_kimi_vl.py",
+    "image_processing_kimi_vl.py",
+    "processing_kimi_vl.py",
+    "tokenization_kimi_vl.py",
+}
+
+
+@pytest.fixture(scope="module")
+def source(reference_checkpoint, tmp_path_factory) -> Path:
+    """The tiny reference checkpoint in the original layout, completed with a test tokenizer and the Instruct
+    preprocessor config."""
+    folder = tmp_path_factory.mktemp("hub") / "source"
+    shutil.copytree(reference_checkpoint, folder)
+    for path in folder.iterdir():
+        path.chmod(0o644)  # the fixture is read-only; the copies are modified by some tests
+    write_tiny_tokenizer(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(INSTRUCT_PREPROCESSOR_CONFIG, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(source) -> Path:
+    """The export of `source`, verified in a clean interpreter (the default)."""
+    out = source.parent / "export"
+    result = export_checkpoint(source, out)
+    assert result.verified and result.folder == out
+    return out
+
+
+def copy_source(source: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "source"
+    shutil.copytree(source, folder)
+    return folder
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary folders an export left beside its target."""
+    return sorted(path.name for path in folder.iterdir() if path.name.startswith("."))
+
+
+def tensor_bytes(folder: Path) -> dict[str, bytes]:
+    """Every tensor of a checkpoint folder as raw bytes (bit-level comparison, whatever the dtype)."""
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                tensors[name] = (str(tensor.dtype), tuple(tensor.shape), tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Export: contents, parity in a clean interpreter, idempotence, sharding
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_export_contents(exported, source):
+    files = {path.name for path in exported.iterdir()}
+    assert SHIPPED_CODE <= files
+    assert not {"__init__.py", "tiny_tokenizer.py", "demo.py"} & files
+    assert {"config.json", "preprocessor_config.json", "tokenizer_config.json", "tiktoken.model", "chat_template.jinja",
+            "generation_config.json", "README.md", "model.safetensors.index.json"} <= files  # fmt: skip
+    assert json.loads((exported / "config.json").read_text())["auto_map"] == MODEL_AUTO_MAP
+    assert json.loads((exported / "preprocessor_config.json").read_text())["auto_map"] == PREPROCESSOR_AUTO_MAP
+    assert json.loads((exported / "tokenizer_config.json").read_text())["auto_map"] == TOKENIZER_AUTO_MAP
+    assert (exported / "tiktoken.model").read_bytes() == (source / "tiktoken.model").read_bytes()
+    # The code is flat: sibling imports only, never our package names.
+    for name in SHIPPED_CODE:
+        code = (exported / name).read_text()
+        assert "from modeling_kimi_vl" not in code and "from image_processing" not in code
+    card = (exported / "README.md").read_text()
+    assert card.startswith("---\nlicense: mit\n") and "trust_remote_code=True" in card and "torchrun" in card
+    assert tensor_bytes(exported) == tensor_bytes(source)
+    assert check_export_folder(exported) == []
+
+
+def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, reference_dir, expected, tmp_path):
+    output = tmp_path / "outputs.safetensors"
+    expected_path = reference_dir / "expected.safetensors"
+    result = run_isolated(TESTS_DIR / "isolated_auto_load.py", str(exported), str(expected_path), str(output))
+    assert result.returncode == 0, result.stdout + result.stderr
+    with safe_open(output, framework="pt") as handle:
+        classes = json.loads(handle.metadata()["classes"])
+    assert all(module.startswith("transformers_modules.") for module in classes.values()), classes
+    outputs = load_file(output)
+    # 1e-4 relative to the logits' scale: what the original code's own float32 arithmetic allows.
+    scale = expected["mm_logits"].abs().max().item()
+    torch.testing.assert_close(outputs["mm_logits"], expected["mm_logits"], rtol=1e-4, atol=1e-4 * scale)
+    assert torch.equal(outputs["mm_generated"], expected["mm_generated"])
+
+
+def test_clean_interpreter_cannot_import_our_packages(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text("import importlib.util, sys\nprint(importlib.util.find_spec('torch') is not None)\nimport modeling_kimi_vl\n")
+    result = run_isolated(script)
+    assert result.stdout.strip() == "True"  # site-packages are there ...
+    assert "No module named 'modeling_kimi_vl'" in result.stderr  # ... our editable install is not
+
+
+def test_reexport_is_idempotent(exported, tmp_path):
+    again = tmp_path / "again"
+    export_checkpoint(exported, again, verify=False)
+    names = sorted(path.name for path in exported.iterdir())
+    assert sorted(path.name for path in again.iterdir()) == names
+    for name in names:
+        assert (again / name).read_bytes() == (exported / name).read_bytes(), name
+
+
+def test_small_shards_hold_identical_tensors(source, tmp_path):
+    out = tmp_path / "sharded"
+    result = export_checkpoint(source, out, max_shard_size="200KB", verify=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(path.name for path in out.glob("*.safetensors"))
+    assert result.num_shards == len(shards) > 3
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == (source / "model.safetensors").stat().st_size - _header_bytes(source / "model.safetensors")
+    for shard in shards:
+        with safe_open(out / shard, framework="pt") as handle:
+            names = list(handle.keys())
+            sizes = [handle.get_tensor(name).nbytes for name in names]
+        assert sum(sizes) <= parse_size("200KB") or len(names) == 1
+        assert all(index["weight_map"][name] == shard for name in names)
+    assert tensor_bytes(out) == tensor_bytes(source)
+
+
+def _header_bytes(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: every problem reported at once, nothing written
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def _drop_vision_config(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    del config["vision_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _index_names_absent_shard(folder: Path) -> None:
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        names = list(handle.keys())
+    weight_map = {name: "model.safetensors" for name in names}
+    weight_map[names[0]] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+BAD_SOURCES = {
+    "no weights": (lambda folder: (folder / "model.safetensors").unlink(), ["no weights"]),
+    "index names an absent file": (
+        _index_names_absent_shard,
+        ["names 'model-00002-of-00002.safetensors'", "which model.safetensors.index.json does not list"],
+    ),
+    "config without vision_config": (_drop_vision_config, ["config.json has no vision_config"]),
+    "wrong shape": (
+        lambda folder: _rewrite_weights(folder, lambda t: t.update({"multi_modal_projector.linear_2.bias": torch.zeros(63)})),
+        ["multi_modal_projector.linear_2.bias in model.safetensors has shape [63], the config needs [64]"],
+    ),
+    "missing and unexpected tensors": (
+        lambda folder: _rewrite_weights(
+            folder, lambda t: t.update({"vision_tower.extra.weight": t.pop("vision_tower.encoder.final_layernorm.bias")})
+        ),
+        ["missing tensor vision_tower.encoder.final_layernorm.bias", "unexpected tensor vision_tower.extra.weight"],
+    ),
+    "no tokenizer": (
+        lambda folder: [(folder / name).unlink() for name in ("tiktoken.model", "tokenizer_config.json")],
+        ["tiktoken.model is missing", "tokenizer_config.json is missing"],
+    ),
+    "truncated shard": (
+        lambda folder: (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100_000]),
+        ["lies outside the file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SOURCES))
+def test_bad_source_is_refused_before_writing(case, source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    break_source, messages = BAD_SOURCES[case]
+    break_source(folder)
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    for message in messages:
+        assert message in str(caught.value)
+    assert "nothing was written" in str(caught.value)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_all_problems_in_one_error(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    _drop_vision_config(folder)
+    (folder / "tiktoken.model").unlink()
+    (folder / "preprocessor_config.json").write_text("{not json")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert len(caught.value.problems) == 4, caught.value.problems
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_existing_target_needs_overwrite_which_replaces_it(source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier export")
+    with pytest.raises(ExportInputError, match="already exists; pass --overwrite"):
+        export_checkpoint(source, out, verify=False)
+    assert (out / "stale.txt").exists()
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert not (out / "stale.txt").exists() and check_export_folder(out) == []
+    assert leftovers(tmp_path) == []
+
+
+def test_output_inside_source_is_refused(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    for out in (folder, folder / "export"):
+        with pytest.raises(ExportInputError, match="overlaps --source"):
+            export_checkpoint(folder, out, overwrite=True, verify=False)
+    assert sorted(path.name for path in folder.iterdir()) == sorted(path.name for path in source.iterdir())
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ExportVerificationError])
+def test_interrupted_or_failed_export_leaves_target_as_it_was(failure, source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previous.txt").write_text("previous export")
+
+    def fail(folder):
+        assert (folder / "config.json").exists()  # the temp folder was being filled when it failed
+        raise failure("interrupted")
+
+    monkeypatch.setattr(export_module, "verify_export", fail)
+    with pytest.raises(failure):
+        export_checkpoint(source, out, overwrite=True)
+    assert [path.name for path in out.iterdir()] == ["previous.txt"]
+    assert leftovers(tmp_path) == []
+
+
+def test_interrupt_while_writing_weights(source, tmp_path, monkeypatch):
+    def interrupted_save(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("hub_upload.weights.save_file", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(source, tmp_path / "out", verify=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_cli_errors(source, tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["export", "--source", str(source), "--out", str(tmp_path / "out"), "--max-shard-size", "5 parsecs"])
+    assert caught.value.code == 2 and "invalid size '5 parsecs'" in capsys.readouterr().err
+    assert cli_main(["export", "--source", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert cli_main(["push", "--folder", str(source), "--repo-id", "org/name", "--dry-run"]) == 2
+    assert "is not a complete export" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Push, against a local stand-in for the Hub API
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hub_upload", *args], cwd=REPO_ROOT, env={**os.environ, **env}, capture_output=True, text=True
+    )
+
+
+def test_push_uploads_the_export_in_one_commit(exported, tmp_path):
+    folder = tmp_path / "export"
+    shutil.copytree(exported, folder)
+    (folder / ".cache").mkdir()  # hidden entries are never uploaded
+    with HubStandIn() as hub:
+        # The token comes from huggingface_hub's usual sources; HF_TOKEN is one of them.
+        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_stand_in_token", "HF_HOME": str(tmp_path / "hf_home")}
+        args = ["--folder", str(folder), "--repo-id", "my-org/kimi-vl-tiny", "--private", "--revision", "dev"]
+        result = run_cli("push", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    assert [path for _, path, _ in hub.requests] == [
+        "/api/repos/create",
+        "/api/models/my-org/kimi-vl-tiny/branch/dev",
+        "/api/validate-yaml",
+        "/api/models/my-org/kimi-vl-tiny/preupload/dev",
+        "/api/models/my-org/kimi-vl-tiny/commit/dev",
+    ]
+    assert all(auth == "Bearer hf_stand_in_token" for _, _, auth in hub.requests)
+    assert hub.created_repos == [{"name": "kimi-vl-tiny", "organization": "my-org", "visibility": "private", "type": "model"}]
+    (commit,) = hub.commits
+    assert (commit.repo_id, commit.revision) == ("my-org/kimi-vl-tiny", "dev")
+    expected_files = {path.name: path.read_bytes() for path in exported.iterdir()}
+    assert commit.files == expected_files
+    assert f"committed {1:040x}" in result.stdout
+
+
+def test_push_dry_run_sends_nothing(exported):
+    with HubStandIn() as hub:
+        args = ["--folder", str(exported), "--repo-id", "my-org/kimi-vl-tiny", "--dry-run"]
+        result = run_cli("push", *args, env={"HF_ENDPOINT": hub.url})
+    assert result.returncode == 0, result.stderr
+    assert hub.requests == []
+    files = sorted(exported.iterdir())
+    assert f"would upload {len(files)} files" in result.stdout
+    listed = {line.split()[-1]: line.split()[:2] for line in result.stdout.splitlines()[1:]}
+    assert sorted(listed) == [path.name for path in files]
+    config_size = (exported / "config.json").stat().st_size
+    assert listed["config.json"] == [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
+
+
+def test_push_refuses_incomplete_exports(exported, source, tmp_path):
+    with pytest.raises(PushError, match="is not a folder"):
+        plan_upload(source.parent / "nothing-here")
+    # The original layout is not an export: no auto_map of ours, no index.
+    with pytest.raises(PushError) as caught:
+        plan_upload(source)
+    assert "config.json has auto_map" in str(caught.value) and "model.safetensors.index.json is missing" in str(caught.value)
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    next(broken.glob("model-*.safetensors")).unlink()
+    (broken / "modeling_kimi_vl.py").unlink()
+    with pytest.raises(PushError) as caught:
+        plan_upload(broken)
+    assert "which is missing" in str(caught.value) and "modeling_kimi_vl.py" in str(caught.value)
+    with pytest.raises(PushError, match="use ORG/NAME"):
+        check_repo_id("no-namespace")
