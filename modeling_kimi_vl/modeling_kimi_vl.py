@@ -329,10 +329,12 @@ class MoonViTModel(MoonViTPreTrainedModel):
         self.encoder = MoonViTEncoder(config)
         self.post_init()
 
-    def _resolve_parallel_plans(self, distributed_config):
-        # transformers resolves the plans once at load, before any weight is sharded: reject a bad TP size there.
-        check_vision_tp_size(self.config, distributed_config.tp_size)
-        return super()._resolve_parallel_plans(distributed_config)
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
+        # from_pretrained calls this once, after building the model and before sharding or reading any weight.
+        if distributed_config is not None:
+            check_vision_tp_size(model.config, distributed_config.tp_size or 1)
+        return super().maybe_distribute_model(model, distributed_config, *mesh_args)
 
     def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
         packed = PackedImages.from_grid_tensor(
@@ -399,10 +401,12 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         # transformers version merges a plan passed at load time.
         self._tp_plan = kimi_vl_tp_plan(config, self._tp_plan)
 
-    def _resolve_parallel_plans(self, distributed_config):
-        # transformers resolves the plans once at load, before any weight is sharded: reject a bad TP size there.
-        check_kimi_vl_tp_size(self.config, distributed_config.tp_size)
-        return super()._resolve_parallel_plans(distributed_config)
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
+        # from_pretrained calls this once, after building the model and before sharding or reading any weight.
+        if distributed_config is not None:
+            check_kimi_vl_tp_size(model.config, distributed_config.tp_size or 1)
+        return super().maybe_distribute_model(model, distributed_config, *mesh_args)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
