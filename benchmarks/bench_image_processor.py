@@ -138,6 +138,7 @@ def main() -> None:
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
+            "load_average_1min_at_end": round(os.getloadavg()[0], 2),  # other work on the machine skews both timings
             "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(),
             "torch": torch.__version__,
