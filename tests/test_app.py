@@ -1,0 +1,293 @@
+"""The Gradio demo (app.py): its input checks and chat logic as plain functions, then the running app (tiny model, in a
+subprocess on a loopback port) driven through its API with gradio_client."""
+
+import time
+
+import huggingface_hub
+import pytest
+import torch
+from gradio_client import Client, handle_file
+from PIL import Image
+from safetensors.torch import load_file
+
+import app
+from demo_server import running_demo
+
+LIMITS = app.InputLimits(max_images=2, max_image_mb=1.0)
+
+
+@pytest.fixture
+def png(tmp_path):
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(path)
+    return str(path)
+
+
+@pytest.fixture
+def corrupt_png(tmp_path):
+    path = tmp_path / "broken.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\nthis is not really a png")
+    return str(path)
+
+
+# --- input checks ----------------------------------------------------------------------------------------------------
+
+
+def test_load_image_decodes_a_valid_image(png):
+    image = app.load_image(png, LIMITS)
+    assert image.size == (84, 56)
+    assert image.getpixel((0, 0)) == (200, 30, 30)
+
+
+def test_corrupt_file_is_refused_with_its_name_and_the_supported_formats(corrupt_png):
+    with pytest.raises(app.InputError) as refused:
+        app.load_image(corrupt_png, LIMITS)
+    message = str(refused.value)
+    assert "`broken.png` could not be read as an image" in message
+    assert "PNG, JPEG" in message
+    assert corrupt_png not in message  # the temporary upload path means nothing to the user
+
+
+def test_file_over_the_size_limit_is_refused(tmp_path):
+    path = tmp_path / "big.bmp"
+    Image.new("RGB", (700, 700)).save(path)  # ~1.4 MB uncompressed
+    with pytest.raises(app.InputError, match=r"`big.bmp` is 1\.4 MB; images may be at most 1 MB each"):
+        app.load_image(path, LIMITS)
+
+
+def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "bomb.png"
+    Image.new("RGB", (12, 12)).save(path)
+    # 144 pixels lies between MAX_IMAGE_PIXELS and twice that, where Pillow itself only warns.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(app.InputError, match="could not be read as an image"):
+        app.load_image(path, LIMITS)
+
+
+def test_unsupported_format_is_refused(tmp_path):
+    path = tmp_path / "picture.ppm"
+    Image.new("RGB", (8, 8)).save(path)
+    with pytest.raises(app.InputError, match="`picture.ppm` is a PPM image; supported formats: PNG"):
+        app.load_image(path, LIMITS)
+
+
+def test_user_turn_accepts_text_and_images(png):
+    assert app.user_turn({"text": " hello ", "files": [png, png]}, LIMITS) == [
+        {"role": "user", "text": "hello", "images": [png, png], "accepted": True}
+    ]
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ({"text": "", "files": []}, "The message is empty"),
+        ({"text": "three", "files": ["PNG"] * 3}, "This message has 3 images; at most 2 are allowed per message."),
+        ({"text": "bad", "files": ["CORRUPT"]}, "`broken.png` could not be read as an image"),
+    ],
+)
+def test_user_turn_refuses_bad_input_with_a_notice(message, expected, png, corrupt_png):
+    message["files"] = [{"PNG": png, "CORRUPT": corrupt_png}[name] for name in message["files"]]
+    turn, shown_notice = app.user_turn(message, LIMITS)
+    assert turn["accepted"] is False
+    assert shown_notice["role"] == "notice" and expected in shown_notice["text"]
+    assert not app.awaits_answer([turn, shown_notice])
+
+
+def test_prompt_beyond_the_context_is_refused():
+    app.check_context(prompt_tokens=900, max_new_tokens=124, context_length=1024)
+    with pytest.raises(app.InputError, match="1000 tokens long; with up to 25 new tokens it would not fit .* 1024"):
+        app.check_context(prompt_tokens=1000, max_new_tokens=25, context_length=1024)
+
+
+# --- conversation and display ----------------------------------------------------------------------------------------
+
+
+def answer(text, status="done"):
+    return {"role": "assistant", "text": text, "status": status, "stats_title": "", "stats": ""}
+
+
+def test_model_conversation_skips_refused_turns_and_earlier_reasoning():
+    history = [
+        {"role": "user", "text": "what is this?", "images": ["a.png", "b.png"], "accepted": True},
+        answer("◁think▷It looks red.◁/think▷A red square."),
+        {"role": "user", "text": "bad", "images": ["broken.png"], "accepted": False},
+        app.notice("`broken.png` could not be read as an image"),
+        {"role": "user", "text": "", "images": ["c.png"], "accepted": True},
+    ]
+    messages, image_paths = app.model_conversation(history)
+    assert messages == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
+        {"role": "user", "content": [{"type": "image"}]},
+    ]
+    assert image_paths == ["a.png", "b.png", "c.png"]
+    assert app.awaits_answer(history)
+
+
+def test_thinking_is_a_collapsible_block_open_while_it_streams():
+    thinking_only = app.assistant_messages(answer("◁think▷Let me look", status="streaming"))
+    assert thinking_only[0] == {
+        "role": "assistant",
+        "content": "Let me look",
+        "metadata": {"title": "Thinking", "status": "pending"},
+    }
+    finished = app.assistant_messages(answer("◁think▷Let me look.◁/think▷It is red.", status="done"))
+    assert finished[0]["metadata"] == {"title": "Thinking", "status": "done"}
+    assert finished[1] == {"role": "assistant", "content": "It is red."}
+    stopped = app.assistant_messages(answer("It is", status="stopped"))
+    assert stopped == [{"role": "assistant", "content": "It is *(stopped)*"}]
+    cut = app.assistant_messages(answer("It is", status="length"))
+    assert cut == [{"role": "assistant", "content": "It is *(cut at the max new tokens setting)*"}]
+
+
+def test_chatbot_shows_accepted_images_and_names_refused_files():
+    history = [
+        {"role": "user", "text": "hi", "images": ["/tmp/x/a.png"], "accepted": True},
+        {"role": "user", "text": "bad", "images": ["/tmp/y/broken.png"], "accepted": False},
+        app.notice("nope"),
+    ]
+    assert app.chatbot_messages(history) == [
+        {"role": "user", "content": {"path": "/tmp/x/a.png"}},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "bad\n\n(attached: `broken.png`)"},
+        {"role": "assistant", "content": "⚠ nope"},
+    ]
+
+
+def test_regenerate_goes_back_to_the_last_accepted_question():
+    question = {"role": "user", "text": "q", "images": [], "accepted": True}
+    refused = {"role": "user", "text": "bad", "images": ["x"], "accepted": False}
+    assert app.history_for_regenerate([question, answer("a"), refused, app.notice("n")]) == [question]
+    nothing = app.history_for_regenerate([refused])
+    assert nothing[-1] == app.notice("There is no question to answer again yet.")
+
+
+def test_stats_report_image_grids_and_speed():
+    monitor = app.GenerationMonitor()
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    for _ in range(11):
+        assert monitor(ids, None).tolist() == [False]
+    monitor.started_at, monitor.first_token_at, monitor.last_token_at = 10.0, 10.5, 12.5
+    title, body = app.format_stats([app.ImageInfo("cat.png", 84, 168, 12, 6, 18)], 40, 1024, monitor)
+    assert title == "Stats: 11 tokens, 5.0 tokens/s; image 12×6 → 18 tokens"
+    assert "- image `cat.png`: 84×168 px → 12×6 patches → 18 tokens" in body
+    assert "- prompt: 40 tokens (context 1024)" in body
+    assert "11 tokens in 2.50 s; first token after 0.50 s, then 5.0 tokens/s" in body
+    monitor.stop_requested.set()
+    assert monitor(ids, None).tolist() == [True]
+
+
+def test_model_kind_and_default_settings():
+    assert app.model_kind("moonshotai/Kimi-VL-A3B-Thinking-2506") == "thinking"
+    assert app.model_kind("moonshotai/Kimi-VL-A3B-Instruct") == "instruct"
+    thinking, instruct = app.DEFAULT_SETTINGS["thinking"], app.DEFAULT_SETTINGS["instruct"]
+    assert thinking.max_new_tokens > instruct.max_new_tokens
+
+
+# --- the tiny demo checkpoint ----------------------------------------------------------------------------------------
+
+
+def test_tiny_checkpoint_is_built_once_atomically_and_deterministically(tmp_path):
+    first = app.ensure_tiny_checkpoint(tmp_path / "one")
+    modified = (first / "model.safetensors").stat().st_mtime_ns
+    assert app.ensure_tiny_checkpoint(tmp_path / "one") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == modified  # reused, not rebuilt
+    assert [path.name for path in (tmp_path / "one").iterdir()] == [first.name]  # no scratch folder left behind
+
+    second = app.ensure_tiny_checkpoint(tmp_path / "two")
+    weights_one, weights_two = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert weights_one.keys() == weights_two.keys()
+    assert all(torch.equal(weights_one[name], weights_two[name]) for name in weights_one)
+
+
+def test_offline_default_model_falls_back_to_the_tiny_one_and_says_why(tmp_path, monkeypatch):
+    # huggingface_hub reads these at import; patch its constants so that no test ever downloads the real model.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    checkpoint = app.resolve_checkpoint(app.DEFAULT_MODEL, tmp_path / "cache")
+    assert checkpoint.kind == "tiny"
+    assert checkpoint.path == tmp_path / "cache" / f"tiny-demo-v{app.TINY_DEMO_VERSION}"
+    assert "is not in the local hub cache and the hub cannot be reached" in checkpoint.notice
+    assert checkpoint.notice in app.banner_markdown(checkpoint)
+    with pytest.raises(SystemExit, match="Cannot load 'someone/not-cached'"):
+        app.resolve_checkpoint("someone/not-cached", tmp_path / "cache")
+
+
+# --- the running app, through its API --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_url(tmp_path_factory):
+    with running_demo(tmp_path_factory.mktemp("demo")) as url:
+        yield url
+
+
+def texts(chat, role="assistant"):
+    return [item["text"] for message in chat if message["role"] == role for item in message["content"] if "text" in item]
+
+
+def plain_answers(chat):
+    """The answer texts: assistant messages that are neither a collapsible block nor a notice."""
+    return [
+        item["text"]
+        for message in chat
+        if message["role"] == "assistant" and not message["metadata"]
+        for item in message["content"]
+        if not item["text"].startswith("⚠")
+    ]
+
+
+def send(client, text, *files):
+    client.predict({"text": text, "files": [handle_file(path) for path in files]}, api_name="/add_message")
+    # Greedy decoding: the tiny model's (random) answer is the same on every run.
+    job = client.submit(24, 0.0, 1.0, api_name="/respond")
+    final = job.result(timeout=120)
+    return job.outputs(), final
+
+
+def test_image_and_prompt_give_a_streamed_answer(demo_url, png):
+    client = Client(demo_url, verbose=False)
+    started = time.perf_counter()
+    updates, chat = send(client, "What colour is this?", png)
+    print(f"answered in {time.perf_counter() - started:.1f} s")
+
+    assert texts(chat, "user") == ["What colour is this?"]
+    answers = plain_answers(chat)
+    assert len(answers) == 1 and answers[0].strip(" …")
+    # Streamed: the answer grew over several updates before the final one.
+    partial_answers = {tuple(plain_answers(update)) for update in updates}
+    assert len(partial_answers) >= 3
+    stats = [message for message in chat if message["metadata"] and message["metadata"]["title"].startswith("Stats")]
+    assert len(stats) == 1
+    # 84 x 56 px pads to 84 x 56 = 6 x 4 patches -> 6 tokens.
+    assert stats[0]["metadata"]["title"].endswith("tokens/s; image 4×6 → 6 tokens")
+
+
+def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrupt_png):
+    client = Client(demo_url, verbose=False)
+    _, chat = send(client, "and this one?", corrupt_png)
+    assert "`broken.png` could not be read as an image" in texts(chat)[-1]
+    assert plain_answers(chat) == []
+
+    _, chat = send(client, "word " * 1200)  # over the tiny model's 1024-token context
+    assert "would not fit the model's context of 1024 tokens" in texts(chat)[-1]
+    assert plain_answers(chat) == []
+
+    _, chat = send(client, "What colour is this?", png)
+    assert len(plain_answers(chat)) == 1 and plain_answers(chat)[0].strip(" …")
+    assert "could not be read as an image" in " ".join(texts(chat))  # the earlier notice is still shown
+
+
+def test_stop_ends_the_answer_early(demo_url, png):
+    client = Client(demo_url, verbose=False)
+    client.predict({"text": "Tell me a long story.", "files": [handle_file(png)]}, api_name="/add_message")
+    job = client.submit(900, 0.0, 1.0, api_name="/respond")  # the tiny model needs seconds for 900 tokens
+    while not any(plain_answers(update) for update in job.outputs()):
+        assert not job.done(), "the answer finished before it could be stopped"
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    chat = job.result(timeout=120)
+    assert plain_answers(chat)[0].endswith("*(stopped)*")
+    stats = [message["metadata"]["title"] for message in chat if message["metadata"]]
+    generated = int(stats[0].split()[1])
+    assert 0 < generated < 900
