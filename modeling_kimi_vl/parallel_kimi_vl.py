@@ -180,6 +180,13 @@ def encode_images_data_parallel(
             "(some none), so their captured collectives would not match. Run the vision tower eagerly and capture "
             "only the language model."
         )
+    if torch.is_grad_enabled() and any(param.requires_grad for param in vision_tower.parameters()):
+        # The all-gather carries no gradient, and each rank's replicated tower would see only its own images' share.
+        raise RuntimeError(
+            "The data-parallel vision encoder is inference-only: call the model under torch.no_grad() (generate "
+            "does), freeze the vision tower (requires_grad_(False)), or load with mm_encoder_tp_mode='weight' to "
+            "train it."
+        )
     state = process_state()
     kernel_rows, kernel_cols = vision_tower.config.merge_kernel_size
     patches_per_image = [rows * cols for rows, cols in grid_hws]

@@ -145,6 +145,12 @@ def test_data_parallel_encoder_on_one_process_returns_one_tensor(reference_model
     assert empty.shape == (0, 4, 48) and empty.dtype == reference_model.vision_tower.dtype
 
 
+def test_data_parallel_encoder_refuses_to_drop_gradients(reference_model, expected):
+    grids = [tuple(grid) for grid in expected["image_grid_hws"].tolist()]
+    with pytest.raises(RuntimeError, match="inference-only"):
+        encode_images_data_parallel(reference_model.vision_tower, expected["pixel_values"], grids)
+
+
 def test_data_parallel_encoder_refuses_cuda_graph_capture(reference_model, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
