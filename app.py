@@ -83,7 +83,10 @@ class InputLimits:
 def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
     """Open and fully decode one uploaded image, or raise InputError saying what is wrong and what is allowed."""
     path = Path(path)
-    megabytes = path.stat().st_size / 2**20
+    try:
+        megabytes = path.stat().st_size / 2**20
+    except OSError as error:  # e.g. an upload that the server's temporary folder no longer holds
+        raise InputError(f"`{path.name}` could not be read ({error.strerror}); please attach it again.") from error
     if megabytes > limits.max_image_mb:
         raise InputError(
             f"`{path.name}` is {megabytes:.1f} MB; images may be at most {limits.max_image_mb:g} MB each."
@@ -454,6 +457,8 @@ class ChatEngine:
         self.model.eval()
         self.context_length = self.model.config.text_config.max_position_embeddings
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        pad_token_id = self.processor.tokenizer.pad_token_id
+        self.pad_token_id = self.end_of_turn_id if pad_token_id is None else pad_token_id
         # Generation runs in its own thread; this lock keeps it one at a time even if a finished request's thread
         # outlives its Gradio event (a closed browser tab, for instance).
         self.generation_lock = threading.Lock()
@@ -504,7 +509,7 @@ class ChatEngine:
                         **sampling,
                         max_new_tokens=settings.max_new_tokens,
                         eos_token_id=self.end_of_turn_id,
-                        pad_token_id=self.processor.tokenizer.pad_token_id,
+                        pad_token_id=self.pad_token_id,
                         stopping_criteria=StoppingCriteriaList([monitor]),
                         streamer=streamer,
                     )
@@ -551,9 +556,15 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
     # session may press stop).
     running_monitors: dict[str, GenerationMonitor] = {}
 
+    # While an answer is being written, only Stop stays usable: the history then has one writer at a time.
+    def lock_controls(locked: bool, **textbox_changes) -> tuple:
+        """Updates for the message box, Regenerate and Clear."""
+        usable = not locked
+        return gr.update(interactive=usable, **textbox_changes), gr.update(interactive=usable), gr.update(interactive=usable)
+
     def add_message(message: dict, history: list[dict]):
         history = history + user_turn(message, engine.limits)
-        return gr.MultimodalTextbox(value=None, interactive=False), history, chatbot_messages(history)
+        return *lock_controls(True, value=None), history, chatbot_messages(history)
 
     def respond(history: list[dict], max_new_tokens: int, temperature: float, top_p: float, request: gr.Request):
         if not awaits_answer(history):
@@ -599,10 +610,9 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
 
     def regenerate(history: list[dict]):
         history = history_for_regenerate(history)
-        return history, chatbot_messages(history)
+        return *lock_controls(True), history, chatbot_messages(history)
 
-    def clear(request: gr.Request):
-        stop(request)
+    def clear():
         return [], []
 
     with gr.Blocks(title="Kimi-VL demo") as demo:
@@ -630,22 +640,23 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
             top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
         settings = [max_new_tokens, temperature, top_p]
 
+        controls = [textbox, regenerate_button, clear_button]
+
         def then_respond(event, api_name):
             # Every generation shares one slot ("model"), so the model serves one at a time and the queue shows the
-            # others their position. The box stays locked until the answer is complete, so that a second message
-            # cannot race the one being answered.
+            # others their position.
             answered = event.then(
                 respond, [history, *settings], [history, chatbot],
                 concurrency_limit=1, concurrency_id="model", api_name=api_name,
             )
-            answered.then(lambda: gr.MultimodalTextbox(interactive=True), None, textbox, api_visibility="private")
+            answered.then(lambda: lock_controls(False), None, controls, api_visibility="private")
 
         submitted = textbox.submit(
-            add_message, [textbox, history], [textbox, history, chatbot], queue=False, api_name="add_message"
+            add_message, [textbox, history], [*controls, history, chatbot], queue=False, api_name="add_message"
         )
         then_respond(submitted, api_name="respond")
         regenerated = regenerate_button.click(
-            regenerate, history, [history, chatbot], queue=False, api_visibility="private"
+            regenerate, history, [*controls, history, chatbot], queue=False, api_visibility="private"
         )
         then_respond(regenerated, api_name="regenerate_respond")
         stop_button.click(stop, None, None, queue=False, api_name="stop")

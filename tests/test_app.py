@@ -7,6 +7,7 @@ import huggingface_hub
 import pytest
 import torch
 from gradio_client import Client, handle_file
+from gradio_client.utils import Status
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -278,16 +279,27 @@ def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrup
     assert "could not be read as an image" in " ".join(texts(chat))  # the earlier notice is still shown
 
 
-def test_stop_ends_the_answer_early(demo_url, png):
-    client = Client(demo_url, verbose=False)
-    client.predict({"text": "Tell me a long story.", "files": [handle_file(png)]}, api_name="/add_message")
-    job = client.submit(900, 0.0, 1.0, api_name="/respond")  # the tiny model needs seconds for 900 tokens
-    while not any(plain_answers(update) for update in job.outputs()):
-        assert not job.done(), "the answer finished before it could be stopped"
+def test_one_generation_at_a_time_the_next_user_waits_in_the_queue_and_stop_ends_early(demo_url, png):
+    first, second = Client(demo_url, verbose=False), Client(demo_url, verbose=False)
+    first.predict({"text": "Tell me a long story.", "files": [handle_file(png)]}, api_name="/add_message")
+    first_job = first.submit(900, 0.0, 1.0, api_name="/respond")  # the tiny model needs seconds for 900 tokens
+    while not any(plain_answers(update) for update in first_job.outputs()):
+        assert not first_job.done(), "the answer finished before it could be stopped"
         time.sleep(0.05)
-    client.predict(api_name="/stop")
-    chat = job.result(timeout=120)
+
+    second.predict({"text": "And you?", "files": []}, api_name="/add_message")
+    second_job = second.submit(24, 0.0, 1.0, api_name="/respond")
+    while second_job.status().code != Status.IN_QUEUE:
+        assert not second_job.done()
+        time.sleep(0.05)
+    assert second_job.status().rank == 0  # next in line, while the first answer is still being written
+    assert not first_job.done()
+
+    first.predict(api_name="/stop")
+    chat = first_job.result(timeout=120)
     assert plain_answers(chat)[0].endswith("*(stopped)*")
     stats = [message["metadata"]["title"] for message in chat if message["metadata"]]
     generated = int(stats[0].split()[1])
     assert 0 < generated < 900
+    second_chat = second_job.result(timeout=120)  # its turn came once the first answer stopped
+    assert texts(second_chat, "user") == ["And you?"] and plain_answers(second_chat)

@@ -44,6 +44,11 @@ def test_chat_in_a_headless_browser(tmp_path):
             expect(chat.locator("img")).to_have_count(1)  # the uploaded image, shown in the user's turn
             # The stats block closes the answer: it appears once the last token has streamed.
             expect(chat).to_contain_text("tokens/s; image 8×12 → 24 tokens", timeout=120_000)
+            # The box unlocks after the answer; a follow-up question (text only) gets a second answer.
+            expect(page.locator("#message textarea")).to_be_editable(timeout=30_000)
+            page.locator("#message textarea").fill("Tell me more.")
+            page.locator("#message textarea").press("Enter")
+            expect(chat.get_by_text("Stats:")).to_have_count(2, timeout=120_000)
             bot_text = chat.locator(".bot").all_inner_texts()
             page.screenshot(path=str(OUTPUT_DIR / "demo_browser.png"), full_page=True)
         finally:
