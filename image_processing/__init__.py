@@ -33,9 +33,14 @@ def register_auto_classes(config_class=None) -> bool:
     config_class = config_class or _kimi_vl_config_class()
     if config_class is None:
         return False
-    AutoImageProcessor.register(config_class, slow_image_processor_class=KimiVLImageProcessor, exist_ok=True)
     AutoTokenizer.register(config_class, slow_tokenizer_class=KimiVLTokenizer, exist_ok=True)
     AutoProcessor.register(config_class, KimiVLProcessor, exist_ok=True)
+    try:
+        AutoImageProcessor.register(config_class, slow_image_processor_class=KimiVLImageProcessor, exist_ok=True)
+    except ImportError:
+        # transformers < 5.2x gates AutoImageProcessor behind torchvision, which this project does not install;
+        # KimiVLImageProcessor.from_pretrained and the processor work without it.
+        pass
     return True
 
 

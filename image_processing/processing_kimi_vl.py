@@ -6,7 +6,8 @@ from typing import NamedTuple
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
-from .image_processing_kimi_vl import KimiVLImageProcessorKwargs
+from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs
+from .tokenization_kimi_vl import KimiVLTokenizer
 
 
 IMAGE_PLACEHOLDER = "<|media_pad|>"
@@ -16,6 +17,8 @@ THINK_CLOSE = "◁/think▷"
 
 class KimiVLProcessorKwargs(ProcessingKwargs, total=False):
     images_kwargs: KimiVLImageProcessorKwargs
+    # Pad batches by default. (`_defaults` is the spelling every 5.x release reads; 5.23 also reads class attributes.)
+    _defaults = {"text_kwargs": {"padding": True}}
 
 
 def _packaged_chat_template() -> str | None:
@@ -34,12 +37,22 @@ class KimiVLProcessor(ProcessorMixin):
     """
 
     valid_processor_kwargs = KimiVLProcessorKwargs
-    text_kwargs = {"padding": True}
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
         super().__init__(image_processor, tokenizer, chat_template=chat_template or _packaged_chat_template())
         self.image_token = IMAGE_PLACEHOLDER
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        # Load the concrete classes rather than going through the Auto API: remote-code copies need no registration,
+        # and transformers releases before 5.2x gate AutoImageProcessor behind torchvision, which we do not need.
+        image_processor_settings = (processor_dict or {}).get("image_processor")
+        if isinstance(image_processor_settings, dict):  # 5.23 saves them inside processor_config.json
+            image_processor = KimiVLImageProcessor(**image_processor_settings)
+        else:
+            image_processor = KimiVLImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return [image_processor, KimiVLTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)]
 
     def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
         texts = _as_text_list(text)
