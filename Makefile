@@ -26,8 +26,9 @@ browser:
 test: venv browser
 	$(PY) -m pytest -q
 
+# e.g. `make demo DEMO_ARGS="--model tiny"`; `python app.py --help` lists the options.
 demo: venv
-	$(PY) app.py
+	$(PY) app.py $(DEMO_ARGS)
 
 bench: venv
 	$(PY) benchmarks/bench_vision.py
