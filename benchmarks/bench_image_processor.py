@@ -10,7 +10,6 @@ Run: .venv/bin/python benchmarks/bench_image_processor.py  (writes benchmarks/re
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
 
 
 def original_pipeline(
@@ -106,7 +108,6 @@ def _best_time(function, repeats: int) -> float:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from image_processing import KimiVLImageProcessor
 
     images = benchmark_images()
@@ -123,7 +124,7 @@ def main() -> None:
     baseline_s = _best_time(lambda: original_pipeline(images), repeats)
     fast_s = _best_time(lambda: processor(images), repeats)
     result = {
-        "benchmark": "KimiVLImageProcessor vs straightforward PIL+torch pipeline of the original's steps",
+        "description": "KimiVLImageProcessor vs straightforward PIL+torch pipeline of the original's steps",
         "images": len(images),
         "image_sizes": [list(image.size) for image in images],
         "patches": int(reference_pixels.shape[0]),
@@ -134,20 +135,9 @@ def main() -> None:
         "processor_images_per_second": round(len(images) / fast_s, 1),
         "speedup": round(baseline_s / fast_s, 2),
         "outputs_identical": identical,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min_at_end": round(os.getloadavg()[0], 2),  # other work on the machine skews both timings
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "pillow": Image.__version__,
-        },
+        "pillow": Image.__version__,
     }
-    out_path = Path(__file__).parent / "results" / "image_processor.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result("image_processor", result)
     print(json.dumps(result, indent=2))
 
 

@@ -18,8 +18,11 @@ def machine_description() -> dict:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # Other work on a shared machine slows baseline and candidate alike, but it widens the spread.
+        "load_average_1min": round(os.getloadavg()[0], 2),
     }
     if torch.cuda.is_available():
         description["gpu"] = torch.cuda.get_device_name()

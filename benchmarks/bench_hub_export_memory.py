@@ -1,0 +1,114 @@
+"""Peak memory of `python -m hub_upload export` against the shard size, on a synthetic ~1 GB checkpoint.
+
+The claim to check: the export holds about one output shard in memory, not the model. A Kimi-VL config with the tiny
+reference's shape but very wide dense MLPs (bf16, hidden 64, intermediate 2^19: 64 MB per linear, 15 of them) is
+filled with random weights in the original layout (4 source shards + index), then exported twice with --no-verify:
+with a shard size below the model size and with the default 5GB (one shard = the whole model). Each export runs in
+its own process; its peak RSS comes from the kernel (wait4). The baseline is the same command on the tiny reference
+checkpoint (1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest output shard.
+
+    python benchmarks/bench_hub_export_memory.py [--workdir /tmp/kimi-vl-export-bench]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+from hub_upload.source import expected_checkpoint_shapes  # noqa: E402
+from hub_upload.weights import natural_key  # noqa: E402
+from image_processing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+from modeling_kimi_vl import KimiVLConfig  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_CHECKPOINT = REPO_ROOT.parent / "shared" / "fixtures" / "reference_tiny" / "tiny_ref"
+PREPROCESSOR_CONFIG = {"in_token_limit": 4096, "pad_input": True, "patch_size": 14, "image_mean": [0.5] * 3,
+                       "image_std": [0.5] * 3, "merge_kernel_size": [2, 2]}  # fmt: skip
+WIDE_MLP = {"intermediate_size": 2**19, "num_hidden_layers": 5, "first_k_dense_replace": 5}
+SOURCE_SHARDS = 4
+
+
+def complete_source(folder: Path) -> None:
+    write_tiny_tokenizer(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
+
+
+def build_wide_source(folder: Path) -> int:
+    """A random bf16 checkpoint of the wide config in SOURCE_SHARDS files + index; returns its tensor bytes."""
+    config = json.loads((REFERENCE_CHECKPOINT / "config.json").read_text())
+    config["text_config"].update(WIDE_MLP)
+    config["torch_dtype"] = "bfloat16"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = expected_checkpoint_shapes(KimiVLConfig.from_dict(config))
+    names = sorted(shapes, key=natural_key)
+    weight_map, total = {}, 0
+    for number in range(SOURCE_SHARDS):  # one source shard in memory at a time
+        shard_name = f"model-{number + 1:05d}-of-{SOURCE_SHARDS:05d}.safetensors"
+        tensors = {name: torch.randn(shapes[name], dtype=torch.bfloat16) for name in names[number::SOURCE_SHARDS]}
+        save_file(tensors, folder / shard_name, metadata={"format": "pt"})
+        weight_map.update((name, shard_name) for name in tensors)
+        total += sum(tensor.nbytes for tensor in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    complete_source(folder)
+    return total
+
+
+def measure_export(source: Path, out: Path, max_shard_size: str) -> dict:
+    """Run the export CLI in a fresh process; its wall time and peak RSS (kernel-reported, this child only)."""
+    command = [sys.executable, "-m", "hub_upload", "export", "--source", str(source), "--out", str(out),
+               "--max-shard-size", max_shard_size, "--no-verify", "--overwrite"]  # fmt: skip
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(command)} failed")
+    largest_shard = max(path.stat().st_size for path in out.glob("*.safetensors"))
+    return {
+        "max_shard_size": max_shard_size,
+        "seconds": round(seconds, 2),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
+        "output_shards": len(list(out.glob("*.safetensors"))),
+        "largest_output_shard_mb": round(largest_shard / 2**20, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-vl-export-bench"))
+    args = parser.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+    tiny = args.workdir / "tiny"
+    shutil.copytree(REFERENCE_CHECKPOINT, tiny)
+    for path in tiny.iterdir():
+        path.chmod(0o644)
+    complete_source(tiny)
+    baseline = measure_export(tiny, args.workdir / "tiny_export", "5GB")
+
+    wide = args.workdir / "wide"
+    model_bytes = build_wide_source(wide)
+    runs = [measure_export(wide, args.workdir / "wide_export", size) for size in ("128MB", "5GB")]
+    for run in runs:
+        run["peak_over_baseline_mb"] = round(run["peak_rss_mb"] - baseline["peak_rss_mb"], 1)
+        run["over_baseline_per_largest_shard"] = round(run["peak_over_baseline_mb"] / run["largest_output_shard_mb"], 2)
+    result = {"model_mb": round(model_bytes / 2**20, 1), "baseline_tiny_export": baseline, "runs": runs}
+    print(json.dumps(result, indent=2))
+    print(write_result("hub_export_memory", result))
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
