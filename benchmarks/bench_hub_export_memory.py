@@ -4,15 +4,15 @@ The claim to check: the export holds about one output shard in memory, not the m
 reference's shape but very wide dense MLPs (bf16, hidden 64, intermediate 2^19: 64 MB per linear, 15 of them) is
 filled with random weights in the original layout (4 source shards + index), then exported twice with --no-verify:
 with a shard size below the model size and with the default 5GB (one shard = the whole model). Each export runs in
-its own process; its peak RSS comes from the kernel (wait4). The baseline is the same command on the tiny reference
-checkpoint (1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest output shard.
+its own process; its peak RSS is the kernel's high-water mark of that process (VmHWM, read as it exits; unlike wait4's
+ru_maxrss it does not include the parent's memory inherited at fork). The baseline is the same command on the tiny
+reference checkpoint (1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest shard.
 
     python benchmarks/bench_hub_export_memory.py [--workdir /tmp/kimi-vl-export-bench]
 """
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -65,21 +65,34 @@ def build_wide_source(folder: Path) -> int:
     return total
 
 
+# Runs the CLI as `python -m hub_upload` would, then reports this process's RSS high-water mark on stderr.
+RUN_CLI_AND_REPORT_PEAK = """
+import runpy, sys
+sys.argv = ["hub_upload", *sys.argv[1:]]
+try:
+    runpy.run_module("hub_upload", run_name="__main__")
+finally:
+    peak = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print("PEAK_KB", peak.split()[1], file=sys.stderr)
+"""
+
+
 def measure_export(source: Path, out: Path, max_shard_size: str) -> dict:
-    """Run the export CLI in a fresh process; its wall time and peak RSS (kernel-reported, this child only)."""
-    command = [sys.executable, "-m", "hub_upload", "export", "--source", str(source), "--out", str(out),
-               "--max-shard-size", max_shard_size, "--no-verify", "--overwrite"]  # fmt: skip
+    """Run the export CLI in a fresh process; its wall time and peak RSS."""
+    args = ["export", "--source", str(source), "--out", str(out), "--max-shard-size", max_shard_size, "--no-verify",
+            "--overwrite"]  # fmt: skip
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
+    result = subprocess.run([sys.executable, "-c", RUN_CLI_AND_REPORT_PEAK, *args], cwd=REPO_ROOT, capture_output=True,
+                            text=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(command)} failed")
+    peak_lines = [line for line in result.stderr.splitlines() if line.startswith("PEAK_KB")]
+    if not peak_lines or "exported" not in result.stdout:
+        raise RuntimeError(f"export failed:\n{result.stdout}\n{result.stderr}")
     largest_shard = max(path.stat().st_size for path in out.glob("*.safetensors"))
     return {
         "max_shard_size": max_shard_size,
         "seconds": round(seconds, 2),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
+        "peak_rss_mb": round(int(peak_lines[-1].split()[1]) / 1024, 1),
         "output_shards": len(list(out.glob("*.safetensors"))),
         "largest_output_shard_mb": round(largest_shard / 2**20, 1),
     }
