@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The browser test (tests/test_app_browser.py) drives Debian's chromium; install it when missing. CI runs as root
-# with apt access; KIMI_VL_SKIP_BROWSER_TEST=1 skips both this step and that test on a developer machine.
+# with apt access; KIMI_VL_SKIP_BROWSER_TEST=1 skips both this step and that test on a developer machine. A failed
+# install does not stop `make test`: the other tests still run, and the browser test fails saying what is missing.
 browser:
-	@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x /usr/bin/chromium || { \
+	-@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x /usr/bin/chromium || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 
 test: venv browser

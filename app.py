@@ -30,7 +30,13 @@ import torch
 from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from image_processing import KimiVLImageProcessor, KimiVLProcessor, KimiVLTokenizer, split_thinking, write_tiny_tokenizer
+from image_processing import (
+    KimiVLImageProcessor,
+    KimiVLProcessor,
+    KimiVLTokenizer,
+    split_thinking,
+    write_tiny_tokenizer,
+)
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
@@ -95,21 +101,16 @@ def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
         # Pillow only warns between MAX_IMAGE_PIXELS and twice that; a decompression bomb must not reach the model.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as opened:
-                image_format = opened.format
+            # Only these decoders are tried: any other file, whatever its name, is "not an image".
+            with Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
                 opened.load()
-                image = opened.copy()
+                return opened.copy()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         detail = str(error).replace(f" '{path}'", "")  # the upload's temporary path means nothing to the user
         raise InputError(
             f"`{path.name}` could not be read as an image ({detail}). "
             f"Supported formats: {', '.join(SUPPORTED_IMAGE_FORMATS)}."
         ) from error
-    if image_format not in SUPPORTED_IMAGE_FORMATS:
-        raise InputError(
-            f"`{path.name}` is a {image_format} image; supported formats: {', '.join(SUPPORTED_IMAGE_FORMATS)}."
-        )
-    return image
 
 
 def check_images(paths: list[str], limits: InputLimits) -> None:
@@ -144,7 +145,7 @@ def user_turn(message: dict, limits: InputLimits) -> list[dict]:
     images = [str(path) for path in message.get("files") or []]
     turn = {"role": "user", "text": text, "images": images, "accepted": False}
     if not text and not images:
-        return [turn, {"role": "notice", "text": "The message is empty: type a question, add an image, or both."}]
+        return [turn, notice("The message is empty: type a question, add an image, or both.")]
     try:
         check_images(images, limits)
     except InputError as error:
@@ -200,7 +201,8 @@ def chatbot_messages(history: list[dict]) -> list[dict]:
                 shown.append({"role": "user", "content": entry["text"]})
         elif entry["role"] == "user":  # refused: its files may not even be images, so they are named, not shown
             attached = ", ".join(f"`{Path(path).name}`" for path in entry["images"])
-            shown.append({"role": "user", "content": "\n\n".join(filter(None, [entry["text"], attached and f"(attached: {attached})"]))})
+            parts = [entry["text"], f"(attached: {attached})" if attached else ""]
+            shown.append({"role": "user", "content": "\n\n".join(part for part in parts if part)})
         elif entry["role"] == "assistant":
             shown.extend(assistant_messages(entry))
         else:
@@ -228,7 +230,11 @@ def assistant_messages(entry: dict) -> list[dict]:
         shown.append({"role": "assistant", "content": (answer or "…") + ENDING_NOTES.get(entry["status"], "")})
     if entry.get("stats"):
         shown.append(
-            {"role": "assistant", "content": entry["stats"], "metadata": {"title": entry["stats_title"], "status": "done"}}
+            {
+                "role": "assistant",
+                "content": entry["stats"],
+                "metadata": {"title": entry["stats_title"], "status": "done"},
+            }
         )
     return shown
 
@@ -267,7 +273,8 @@ class GenerationMonitor(StoppingCriteria):
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.new_tokens += 1
-        return torch.full((input_ids.shape[0],), self.stop_requested.is_set(), dtype=torch.bool, device=input_ids.device)
+        stop = self.stop_requested.is_set()
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 def format_stats(
@@ -287,7 +294,10 @@ def format_stats(
     total_s = monitor.last_token_at - monitor.started_at
     decode_s = monitor.last_token_at - monitor.first_token_at
     # The first token includes the prefill (and the images); the rate a reader feels is the decode rate after it.
-    rate = (monitor.new_tokens - 1) / decode_s if monitor.new_tokens > 1 and decode_s > 0 else monitor.new_tokens / total_s
+    if monitor.new_tokens > 1 and decode_s > 0:
+        rate = (monitor.new_tokens - 1) / decode_s
+    else:
+        rate = monitor.new_tokens / total_s
     lines.append(
         f"- answer: {monitor.new_tokens} tokens in {total_s:.2f} s; first token after {first_token_s:.2f} s, "
         f"then {rate:.1f} tokens/s"
@@ -425,9 +435,10 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
         except Exception as error:  # noqa: BLE001 - offline, unknown repo, no permission: all end the same way here
             if model != DEFAULT_MODEL:
                 raise SystemExit(f"Cannot load {model!r}: it is not a folder and the hub gave: {error}") from error
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             reason = (
-                f"{DEFAULT_MODEL} is not in the local hub cache and the hub cannot be reached "
-                f"({type(error).__name__}), so the built-in tiny demo model is served instead."
+                f"{DEFAULT_MODEL} is not in the local hub cache and the hub cannot be reached ({cause}), so the "
+                "built-in tiny demo model is served instead."
             )
             log(reason)
             return Checkpoint(ensure_tiny_checkpoint(cache_dir), "tiny demo model", "tiny", notice=reason)
@@ -491,7 +502,9 @@ class ChatEngine:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         return PreparedPrompt(dict(inputs), prompt_tokens, new_images)
 
-    def stream(self, prepared: PreparedPrompt, settings: GenerationSettings, monitor: GenerationMonitor) -> Iterator[str]:
+    def stream(
+        self, prepared: PreparedPrompt, settings: GenerationSettings, monitor: GenerationMonitor
+    ) -> Iterator[str]:
         """Yield the answer so far, growing as tokens arrive; `monitor.stop_requested` ends it early."""
         streamer = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
         sampling = (
@@ -540,8 +553,8 @@ class ChatEngine:
 
 def banner_markdown(checkpoint: Checkpoint) -> str:
     if checkpoint.kind != "tiny":
-        thinking = " Its reasoning appears in a collapsible *Thinking* block above each answer." if checkpoint.kind == "thinking" else ""
-        return f"Serving **{checkpoint.name}**.{thinking}"
+        reasoning = " Its reasoning appears in a collapsible *Thinking* block above each answer."
+        return f"Serving **{checkpoint.name}**." + (reasoning if checkpoint.kind == "thinking" else "")
     why = f" {checkpoint.notice}" if checkpoint.notice else ""
     return (
         "⚠ **Tiny demo model with random weights: its answers are random text.**" + why + " It shows how the demo "
@@ -560,7 +573,11 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
     def lock_controls(locked: bool, **textbox_changes) -> tuple:
         """Updates for the message box, Regenerate and Clear."""
         usable = not locked
-        return gr.update(interactive=usable, **textbox_changes), gr.update(interactive=usable), gr.update(interactive=usable)
+        return (
+            gr.update(interactive=usable, **textbox_changes),
+            gr.update(interactive=usable),
+            gr.update(interactive=usable),
+        )
 
     def add_message(message: dict, history: list[dict]):
         history = history + user_turn(message, engine.limits)
@@ -674,7 +691,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"hub id or local folder (default {DEFAULT_MODEL}); '{TINY_MODEL}' for the tiny demo model")
+                        help=f"hub id or local folder (default {DEFAULT_MODEL}); '{TINY_MODEL}': the tiny demo model")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also publish a temporary public gradio.live link")

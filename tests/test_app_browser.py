@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_chat_in_a_headless_browser(tmp_path):
     if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} not found: run `make browser` (apt-get install chromium) or set KIMI_VL_SKIP_BROWSER_TEST=1")
+        pytest.fail(f"{CHROMIUM} not found: run `make browser` (installs chromium) or set KIMI_VL_SKIP_BROWSER_TEST=1")
     image_path = tmp_path / "sunset.png"
     Image.radial_gradient("L").convert("RGB").resize((168, 112)).save(image_path)
     OUTPUT_DIR.mkdir(exist_ok=True)
