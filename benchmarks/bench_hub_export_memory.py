@@ -32,8 +32,14 @@ from modeling_kimi_vl import KimiVLConfig  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_CHECKPOINT = REPO_ROOT.parent / "shared" / "fixtures" / "reference_tiny" / "tiny_ref"
-PREPROCESSOR_CONFIG = {"in_token_limit": 4096, "pad_input": True, "patch_size": 14, "image_mean": [0.5] * 3,
-                       "image_std": [0.5] * 3, "merge_kernel_size": [2, 2]}  # fmt: skip
+PREPROCESSOR_CONFIG = {
+    "in_token_limit": 4096,
+    "pad_input": True,
+    "patch_size": 14,
+    "image_mean": [0.5] * 3,
+    "image_std": [0.5] * 3,
+    "merge_kernel_size": [2, 2],
+}
 WIDE_MLP = {"intermediate_size": 2**19, "num_hidden_layers": 5, "first_k_dense_replace": 5}
 SOURCE_SHARDS = 4
 
@@ -79,11 +85,10 @@ finally:
 
 def measure_export(source: Path, out: Path, max_shard_size: str) -> dict:
     """Run the export CLI in a fresh process; its wall time and peak RSS."""
-    args = ["export", "--source", str(source), "--out", str(out), "--max-shard-size", max_shard_size, "--no-verify",
-            "--overwrite"]  # fmt: skip
+    args = ["export", "--source", str(source), "--out", str(out), "--max-shard-size", max_shard_size]
+    command = [sys.executable, "-c", RUN_CLI_AND_REPORT_PEAK, *args, "--no-verify", "--overwrite"]
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", RUN_CLI_AND_REPORT_PEAK, *args], cwd=REPO_ROOT, capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     peak_lines = [line for line in result.stderr.splitlines() if line.startswith("PEAK_KB")]
     if not peak_lines or "exported" not in result.stdout:

@@ -1,7 +1,7 @@
 """Export a Kimi-VL checkpoint as a self-contained trust_remote_code repository and publish it to the Hub.
 
-    python -m hub_upload export --source ORIGINAL_FOLDER --out EXPORT_FOLDER
-    python -m hub_upload push --folder EXPORT_FOLDER --repo-id ORG/NAME
+python -m hub_upload export --source ORIGINAL_FOLDER --out EXPORT_FOLDER
+python -m hub_upload push --folder EXPORT_FOLDER --repo-id ORG/NAME
 """
 
 from .export import ExportResult, check_export_folder, export_checkpoint

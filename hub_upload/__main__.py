@@ -19,11 +19,19 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a self-contained trust_remote_code folder from an original one")
     export.add_argument("--source", required=True, help="Kimi-VL folder in the original layout")
     export.add_argument("--out", required=True, help="folder to create (refused if it exists, unless --overwrite)")
-    export.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD_SIZE,
-                        help=f"largest weight shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")  # fmt: skip
+    export.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"largest weight shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    export.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip loading the export in a clean interpreter (for models too large for this machine)")  # fmt: skip
+    export.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip loading the export in a clean interpreter (for models too large for this machine)",
+    )
     export.add_argument("--license", default=ModelCardInfo.license, help="license in the model card (default: mit)")
     export.add_argument("--base-model", help="Hub id of the source checkpoint, for the model card")
     export.add_argument("--repo-id", help="Hub id the export will have, for the model card's snippets")
@@ -55,16 +63,19 @@ def run_export(args: argparse.Namespace) -> None:
         card=ModelCardInfo(license=args.license, base_model=args.base_model, repo_id=args.repo_id),
     )
     verified = "verified in a clean interpreter" if result.verified else "NOT verified (--no-verify)"
-    print(f"exported {len(result.files)} files ({result.num_shards} weight shards) to {result.folder}, {verified}, "
-          f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
+    seconds = time.perf_counter() - started
+    print(
+        f"exported {len(result.files)} files ({result.num_shards} weight shards) to {result.folder}, {verified}, "
+        f"in {seconds:.1f} s"
+    )
 
 
 def run_push(args: argparse.Namespace) -> None:
     check_repo_id(args.repo_id)
     plan = plan_upload(args.folder)
     target = f"{args.repo_id}@{args.revision or 'main'}" + (" (private)" if args.private else "")
-    print(f"{'would upload' if args.dry_run else 'uploading'} {len(plan.files)} files, "
-          f"{format_size(plan.total_bytes)}, to {target} in one commit:")  # fmt: skip
+    action = "would upload" if args.dry_run else "uploading"
+    print(f"{action} {len(plan.files)} files, {format_size(plan.total_bytes)}, to {target} in one commit:")
     for name, size in plan.files:
         print(f"  {format_size(size):>10}  {name}")
     if plan.skipped:

@@ -22,6 +22,7 @@ from .remote_code import (
     MODEL_AUTO_MAP,
     PREPROCESSOR_AUTO_MAP,
     TOKENIZER_AUTO_MAP,
+    TOKENIZER_CLASS,
     flat_code_files,
 )
 from .source import (
@@ -29,6 +30,7 @@ from .source import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     PREPROCESSOR_CONFIG_NAME,
+    SPECIAL_TOKENS_MAP_NAME,
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_MODEL_NAME,
     ExportInputError,
@@ -66,9 +68,10 @@ def export_checkpoint(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     verify: bool = True,
-    card: ModelCardInfo = ModelCardInfo(),
+    card: ModelCardInfo | None = None,
 ) -> ExportResult:
     source, out = Path(source).resolve(), Path(out).resolve()
+    card = card or ModelCardInfo()
     max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     code_files = flat_code_files()
 
@@ -116,10 +119,16 @@ def _write_export(
     _write_json(folder / INDEX_NAME, index)
 
     _write_json(folder / CONFIG_NAME, {**checkpoint.config, "auto_map": MODEL_AUTO_MAP})
-    _write_json(folder / PREPROCESSOR_CONFIG_NAME, {**checkpoint.preprocessor_config, "auto_map": PREPROCESSOR_AUTO_MAP})
+    _write_json(
+        folder / PREPROCESSOR_CONFIG_NAME, {**checkpoint.preprocessor_config, "auto_map": PREPROCESSOR_AUTO_MAP}
+    )
+    # The template moves to chat_template.jinja; the class is ours (the release names its TikTokenTokenizer).
     tokenizer_config = {key: value for key, value in checkpoint.tokenizer_config.items() if key != "chat_template"}
-    _write_json(folder / TOKENIZER_CONFIG_NAME, {**tokenizer_config, "auto_map": TOKENIZER_AUTO_MAP})
-    shutil.copyfile(checkpoint.folder / TOKENIZER_MODEL_NAME, folder / TOKENIZER_MODEL_NAME)
+    tokenizer_config.update(auto_map=TOKENIZER_AUTO_MAP, tokenizer_class=TOKENIZER_CLASS.split(".")[-1])
+    _write_json(folder / TOKENIZER_CONFIG_NAME, tokenizer_config)
+    for name in (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME):
+        if (checkpoint.folder / name).is_file():  # read_source made sure that the tokenizer model is there
+            shutil.copyfile(checkpoint.folder / name, folder / name)
     if (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
         shutil.copyfile(checkpoint.folder / GENERATION_CONFIG_NAME, folder / GENERATION_CONFIG_NAME)
     # The checkpoint's own template wins (a fine-tune may have changed it); otherwise ours, which matches the release.
@@ -207,5 +216,7 @@ def _weight_problems(folder: Path) -> list[str]:
             continue
         listed = {name for name, file in weight_map.items() if file == file_name}
         if held != listed:
-            problems.append(f"{file_name} holds {len(held)} tensors, {len(held ^ listed)} of them not as {INDEX_NAME} says")
+            problems.append(
+                f"{file_name} holds {len(held)} tensors, {len(held ^ listed)} of them not as {INDEX_NAME} says"
+            )
     return problems

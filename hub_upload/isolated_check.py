@@ -22,7 +22,9 @@ def main(folder: str) -> None:
     loaded = {"config": type(config), "model": type(model), "processor": type(processor)}
     loaded["tokenizer"] = type(processor.tokenizer)
     loaded["image_processor"] = type(processor.image_processor)
-    not_remote = {role: cls.__module__ for role, cls in loaded.items() if not cls.__module__.startswith("transformers_modules")}
+    not_remote = {
+        role: cls.__module__ for role, cls in loaded.items() if not cls.__module__.startswith("transformers_modules")
+    }
     if not_remote:
         sys.exit(f"these classes did not come from the exported files: {not_remote}")
 

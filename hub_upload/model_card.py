@@ -8,7 +8,9 @@ REPO_PLACEHOLDER = "ORG/NAME"
 @dataclass(frozen=True)
 class ModelCardInfo:
     license: str = "mit"  # the Kimi-VL release is MIT-licensed
-    base_model: str | None = None  # Hub id of the checkpoint the weights come from, e.g. moonshotai/Kimi-VL-A3B-Instruct
+    base_model: str | None = (
+        None  # Hub id of the checkpoint the weights come from, e.g. moonshotai/Kimi-VL-A3B-Instruct
+    )
     repo_id: str | None = None  # where the export will be published; used in the usage snippets
 
 
@@ -25,9 +27,13 @@ def render_model_card(config: dict, info: ModelCardInfo) -> str:
         "  - custom_code",
         "---",
     ]
-    source = f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model else "a Kimi-VL checkpoint"
+    source = (
+        f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model else "a Kimi-VL checkpoint"
+    )
     vision, text = config["vision_config"], config["text_config"]
-    return "\n".join(front_matter) + f"""
+    return (
+        "\n".join(front_matter)
+        + f"""
 
 # {repo.split("/")[-1]}
 
@@ -38,6 +44,9 @@ and transformers' own DeepSeek-V3 language model ({text.get("num_hidden_layers")
 {text.get("n_routed_experts")} routed experts, {text.get("num_experts_per_tok")} per token).
 
 ## Use with transformers
+
+Needs `transformers>=5.17`, `accelerate`, `tiktoken` and `pillow`; the code comes with the repository
+(`trust_remote_code=True`).
 
 ```python
 import torch
@@ -67,10 +76,12 @@ torchrun --nproc_per_node 8 generate.py
 
 ## Demo
 
-The kimi-vl-hf project ships a chat demo: from a clone, `make demo`, or `python -m modeling_kimi_vl.demo`.
+The kimi-vl-hf project ships a Gradio chat demo (streamed answers, a Thinking model's reasoning shown live). From a
+clone of the project: `make demo DEMO_ARGS="--model {repo}"`, or `python app.py --model {repo} --device cuda`.
 
 ## Source and license
 
 Weights: {source}, under the {info.license} license of the original release. Code: the kimi-vl-hf project, exported by
 `python -m hub_upload export`.
 """
+    )

@@ -42,7 +42,9 @@ def plan_upload(folder: str | Path) -> UploadPlan:
             f"{folder} is not a complete export (make one with `python -m hub_upload export`); nothing was uploaded:\n"
             f"{listing}"
         )
-    files = [(entry.name, entry.stat().st_size) for entry in entries if entry.is_file() and not entry.name.startswith(".")]
+    files = [
+        (entry.name, entry.stat().st_size) for entry in entries if entry.is_file() and not entry.name.startswith(".")
+    ]
     skipped = [entry.name for entry in entries if entry.name.startswith(".")]
     return UploadPlan(folder=folder, files=files, skipped=skipped)
 
@@ -53,7 +55,9 @@ def check_repo_id(repo_id: str) -> None:
     except HFValidationError as error:
         raise PushError(f"invalid --repo-id {repo_id!r}: {error}") from None
     if "/" not in repo_id:
-        raise PushError(f"invalid --repo-id {repo_id!r}: use ORG/NAME (or USER/NAME), e.g. my-org/Kimi-VL-A3B-Instruct-hf")
+        raise PushError(
+            f"invalid --repo-id {repo_id!r}: use ORG/NAME (or USER/NAME), e.g. my-org/Kimi-VL-A3B-Instruct-hf"
+        )
 
 
 def push_folder(
@@ -73,9 +77,7 @@ def push_folder(
     if revision is not None:
         api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=plan.folder / name) for name, _ in plan.files]
-    return api.create_commit(
-        repo_id, operations, commit_message=commit_message, repo_type="model", revision=revision
-    )
+    return api.create_commit(repo_id, operations, commit_message=commit_message, repo_type="model", revision=revision)
 
 
 def format_size(size: int) -> str:

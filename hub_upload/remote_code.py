@@ -51,7 +51,7 @@ def flat_code_files() -> dict[str, Path]:
             if path.name in files:
                 problems.append(f"{path.name} exists in both {files[path.name].parent} and {package}")
             files[path.name] = path
-    for name, path in files.items():
+    for path in files.values():
         problems.extend(_flat_import_problems(path, set(files)))
     for class_ref in AUTO_MAP_CLASSES:
         module = class_ref.split(".")[0] + ".py"

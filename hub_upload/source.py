@@ -19,6 +19,7 @@ CONFIG_NAME = "config.json"
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TOKENIZER_MODEL_NAME = "tiktoken.model"
+SPECIAL_TOKENS_MAP_NAME = "special_tokens_map.json"  # optional; older tokenizer saves have it
 GENERATION_CONFIG_NAME = "generation_config.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 # Long lists (a checkpoint of the wrong model) are cut to this many lines per kind of problem.
@@ -46,7 +47,7 @@ class SourceCheckpoint:
 
 
 def read_source(folder: Path) -> SourceCheckpoint:
-    """Inventory `folder` and check it against the model its config describes; raise ExportInputError if anything is off."""
+    """Inventory `folder` and check it against the model its config describes; ExportInputError if anything is off."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ExportInputError(folder, [f"{folder} is not a folder"])
@@ -112,7 +113,9 @@ def _read_indexed_shards(folder: Path, weight_map: dict, problems: list[str]) ->
     for file_name, names in sorted(names_by_file.items()):
         path = folder / file_name
         if Path(file_name).name != file_name or not path.is_file():
-            problems.append(f"{INDEX_NAME} names {file_name!r} ({len(names)} tensors), which is not a file in the folder")
+            problems.append(
+                f"{INDEX_NAME} names {file_name!r} ({len(names)} tensors), which is not a file in the folder"
+            )
             continue
         header = _read_shard_header(path, problems)
         absent = sorted(names - header.keys(), key=natural_key)
@@ -136,7 +139,9 @@ def _check_config(config: dict, problems: list[str]) -> KimiVLConfig | None:
     for key in missing:
         problems.append(f"{CONFIG_NAME} has no {key} object; a Kimi-VL config nests the vision and the text config")
     if config.get("model_type") != KimiVLConfig.model_type:
-        problems.append(f"{CONFIG_NAME} has model_type {config.get('model_type')!r}; expected {KimiVLConfig.model_type!r}")
+        problems.append(
+            f"{CONFIG_NAME} has model_type {config.get('model_type')!r}; expected {KimiVLConfig.model_type!r}"
+        )
     if missing:
         return None
     try:
@@ -166,7 +171,8 @@ def _check_tensors_against_model(config: KimiVLConfig, tensors: list[TensorEntry
     unexpected = sorted(found.keys() - expected.keys(), key=natural_key)
     _list_problems(problems, unexpected, "unexpected tensor {} (the config's model has no such weight)")
     wrong_shape = [
-        f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, the config needs {list(expected[name])}"
+        f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, "
+        f"the config needs {list(expected[name])}"
         for name in sorted(expected.keys() & found.keys(), key=natural_key)
         if found[name].shape != expected[name]
     ]

@@ -1,4 +1,4 @@
-"""Prove that an export stands on its own: load it in a fresh interpreter where only the exported files provide our code.
+"""Prove that an export stands on its own: load it in a fresh interpreter where only the exported files give our code.
 
 The child runs `python -I -S` (no current directory, no PYTHONPATH, no user site, no `.pth` processing: our editable
 install is a `.pth` hook, so it is not active there) from an empty temporary directory, with the interpreter's

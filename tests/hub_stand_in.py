@@ -45,7 +45,9 @@ class HubStandIn:
                     self.reply({})
                 elif parts[:2] == ["api", "models"] and parts[4] == "preupload":
                     files = json.loads(body)["files"]
-                    self.reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                    self.reply(
+                        {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+                    )
                 elif parts[:2] == ["api", "models"] and parts[4] == "commit":
                     hub.commits.append(decode_commit(f"{parts[2]}/{parts[3]}", parts[5], body))
                     oid = f"{len(hub.commits):040x}"

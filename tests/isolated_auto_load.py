@@ -38,7 +38,9 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
         "tokenizer": type(tokenizer),
     }
     metadata = {"classes": json.dumps({role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in classes.items()})}
-    save_file({"mm_logits": logits.contiguous(), "mm_generated": generated.contiguous()}, output_path, metadata=metadata)
+    save_file(
+        {"mm_logits": logits.contiguous(), "mm_generated": generated.contiguous()}, output_path, metadata=metadata
+    )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,22 @@ INSTRUCT_PREPROCESSOR_CONFIG = {
     "patch_size": 14,
     "processor_class": "KimiVLProcessor",
 }
+RELEASE_MODEL_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_vl.KimiVLConfig",
+    "AutoModel": "modeling_kimi_vl.KimiVLForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_kimi_vl.KimiVLForConditionalGeneration",
+}
+RELEASE_TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_moonshot.TikTokenTokenizer", None]}
+EXPORTED_DATA_FILES = {
+    "config.json",
+    "preprocessor_config.json",
+    "tokenizer_config.json",
+    "tiktoken.model",
+    "chat_template.jinja",
+    "generation_config.json",
+    "README.md",
+    "model.safetensors.index.json",
+}
 SHIPPED_CODE = {
     "configuration_kimi_vl.py",
     "modeling_kimi_vl.py",
@@ -68,6 +84,14 @@ def source(reference_checkpoint, tmp_path_factory) -> Path:
         path.chmod(0o644)  # the fixture is read-only; the copies are modified by some tests
     write_tiny_tokenizer(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(INSTRUCT_PREPROCESSOR_CONFIG, indent=2))
+    # As on the Hub: auto_maps and a tokenizer class that name the release's own code, and that code beside them.
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = RELEASE_MODEL_AUTO_MAP
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config.update(auto_map=RELEASE_TOKENIZER_AUTO_MAP, tokenizer_class="TikTokenTokenizer")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (folder / "tokenization_moonshot.py").write_text("raise ImportError('the release code must not be shipped')\n")
     return folder
 
 
@@ -98,7 +122,11 @@ def tensor_bytes(folder: Path) -> dict[str, bytes]:
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 tensor = handle.get_tensor(name)
-                tensors[name] = (str(tensor.dtype), tuple(tensor.shape), tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                tensors[name] = (
+                    str(tensor.dtype),
+                    tuple(tensor.shape),
+                    tensor.contiguous().view(torch.uint8).numpy().tobytes(),
+                )
     return tensors
 
 
@@ -110,12 +138,12 @@ def tensor_bytes(folder: Path) -> dict[str, bytes]:
 def test_export_contents(exported, source):
     files = {path.name for path in exported.iterdir()}
     assert SHIPPED_CODE <= files
-    assert not {"__init__.py", "tiny_tokenizer.py", "demo.py"} & files
-    assert {"config.json", "preprocessor_config.json", "tokenizer_config.json", "tiktoken.model", "chat_template.jinja",
-            "generation_config.json", "README.md", "model.safetensors.index.json"} <= files  # fmt: skip
+    assert not {"__init__.py", "tiny_tokenizer.py", "tokenization_moonshot.py"} & files
+    assert EXPORTED_DATA_FILES <= files
     assert json.loads((exported / "config.json").read_text())["auto_map"] == MODEL_AUTO_MAP
     assert json.loads((exported / "preprocessor_config.json").read_text())["auto_map"] == PREPROCESSOR_AUTO_MAP
-    assert json.loads((exported / "tokenizer_config.json").read_text())["auto_map"] == TOKENIZER_AUTO_MAP
+    tokenizer_config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert tokenizer_config["auto_map"] == TOKENIZER_AUTO_MAP and tokenizer_config["tokenizer_class"] == "KimiVLTokenizer"
     assert (exported / "tiktoken.model").read_bytes() == (source / "tiktoken.model").read_bytes()
     # The code is flat: sibling imports only, never our package names.
     for name in SHIPPED_CODE:
@@ -144,7 +172,9 @@ def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, referen
 
 def test_clean_interpreter_cannot_import_our_packages(tmp_path):
     script = tmp_path / "probe.py"
-    script.write_text("import importlib.util, sys\nprint(importlib.util.find_spec('torch') is not None)\nimport modeling_kimi_vl\n")
+    script.write_text(
+        "import importlib.util, sys\nprint(importlib.util.find_spec('torch') is not None)\nimport modeling_kimi_vl\n"
+    )
     result = run_isolated(script)
     assert result.stdout.strip() == "True"  # site-packages are there ...
     assert "No module named 'modeling_kimi_vl'" in result.stderr  # ... our editable install is not
@@ -166,7 +196,9 @@ def test_small_shards_hold_identical_tensors(source, tmp_path):
     shards = sorted(path.name for path in out.glob("*.safetensors"))
     assert result.num_shards == len(shards) > 3
     assert set(index["weight_map"].values()) == set(shards)
-    assert index["metadata"]["total_size"] == (source / "model.safetensors").stat().st_size - _header_bytes(source / "model.safetensors")
+    assert index["metadata"]["total_size"] == (source / "model.safetensors").stat().st_size - _header_bytes(
+        source / "model.safetensors"
+    )
     for shard in shards:
         with safe_open(out / shard, framework="pt") as handle:
             names = list(handle.keys())
@@ -213,12 +245,15 @@ BAD_SOURCES = {
     ),
     "config without vision_config": (_drop_vision_config, ["config.json has no vision_config"]),
     "wrong shape": (
-        lambda folder: _rewrite_weights(folder, lambda t: t.update({"multi_modal_projector.linear_2.bias": torch.zeros(63)})),
+        lambda folder: _rewrite_weights(
+            folder, lambda t: t.update({"multi_modal_projector.linear_2.bias": torch.zeros(63)})
+        ),
         ["multi_modal_projector.linear_2.bias in model.safetensors has shape [63], the config needs [64]"],
     ),
     "missing and unexpected tensors": (
         lambda folder: _rewrite_weights(
-            folder, lambda t: t.update({"vision_tower.extra.weight": t.pop("vision_tower.encoder.final_layernorm.bias")})
+            folder,
+            lambda t: t.update({"vision_tower.extra.weight": t.pop("vision_tower.encoder.final_layernorm.bias")}),
         ),
         ["missing tensor vision_tower.encoder.final_layernorm.bias", "unexpected tensor vision_tower.extra.weight"],
     ),
@@ -227,7 +262,9 @@ BAD_SOURCES = {
         ["tiktoken.model is missing", "tokenizer_config.json is missing"],
     ),
     "truncated shard": (
-        lambda folder: (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100_000]),
+        lambda folder: (folder / "model.safetensors").write_bytes(
+            (folder / "model.safetensors").read_bytes()[:100_000]
+        ),
         ["lies outside the file"],
     ),
 }
@@ -324,7 +361,11 @@ def test_cli_errors(source, tmp_path, capsys):
 
 def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hub_upload", *args], cwd=REPO_ROOT, env={**os.environ, **env}, capture_output=True, text=True
+        [sys.executable, "-m", "hub_upload", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
     )
 
 
@@ -346,7 +387,9 @@ def test_push_uploads_the_export_in_one_commit(exported, tmp_path):
         "/api/models/my-org/kimi-vl-tiny/commit/dev",
     ]
     assert all(auth == "Bearer hf_stand_in_token" for _, _, auth in hub.requests)
-    assert hub.created_repos == [{"name": "kimi-vl-tiny", "organization": "my-org", "visibility": "private", "type": "model"}]
+    assert hub.created_repos == [
+        {"name": "kimi-vl-tiny", "organization": "my-org", "visibility": "private", "type": "model"}
+    ]
     (commit,) = hub.commits
     assert (commit.repo_id, commit.revision) == ("my-org/kimi-vl-tiny", "dev")
     expected_files = {path.name: path.read_bytes() for path in exported.iterdir()}
@@ -365,7 +408,9 @@ def test_push_dry_run_sends_nothing(exported):
     listed = {line.split()[-1]: line.split()[:2] for line in result.stdout.splitlines()[1:]}
     assert sorted(listed) == [path.name for path in files]
     config_size = (exported / "config.json").stat().st_size
-    assert listed["config.json"] == [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
+    assert (
+        listed["config.json"] == [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
+    )
 
 
 def test_push_refuses_incomplete_exports(exported, source, tmp_path):
@@ -374,7 +419,9 @@ def test_push_refuses_incomplete_exports(exported, source, tmp_path):
     # The original layout is not an export: no auto_map of ours, no index.
     with pytest.raises(PushError) as caught:
         plan_upload(source)
-    assert "config.json has auto_map" in str(caught.value) and "model.safetensors.index.json is missing" in str(caught.value)
+    assert "config.json has auto_map" in str(caught.value) and "model.safetensors.index.json is missing" in str(
+        caught.value
+    )
     broken = tmp_path / "broken"
     shutil.copytree(exported, broken)
     next(broken.glob("model-*.safetensors")).unlink()
