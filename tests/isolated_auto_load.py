@@ -11,7 +11,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
 NEW_TOKENS = 12
 
@@ -22,6 +22,7 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation="sdpa").eval()
     processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    image_processor = AutoImageProcessor.from_pretrained(folder, trust_remote_code=True)
     inputs = {
         "input_ids": expected["mm_input_ids"],
         "pixel_values": expected["pixel_values"],
@@ -34,7 +35,9 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
         "config": type(config),
         "model": type(model),
         "processor": type(processor),
-        "image_processor": type(processor.image_processor),
+        "processor.image_processor": type(processor.image_processor),
+        "processor.tokenizer": type(processor.tokenizer),
+        "image_processor": type(image_processor),
         "tokenizer": type(tokenizer),
     }
     metadata = {"classes": json.dumps({role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in classes.items()})}

@@ -143,7 +143,9 @@ def test_export_contents(exported, source):
     assert json.loads((exported / "config.json").read_text())["auto_map"] == MODEL_AUTO_MAP
     assert json.loads((exported / "preprocessor_config.json").read_text())["auto_map"] == PREPROCESSOR_AUTO_MAP
     tokenizer_config = json.loads((exported / "tokenizer_config.json").read_text())
-    assert tokenizer_config["auto_map"] == TOKENIZER_AUTO_MAP and tokenizer_config["tokenizer_class"] == "KimiVLTokenizer"
+    assert (
+        tokenizer_config["auto_map"] == TOKENIZER_AUTO_MAP and tokenizer_config["tokenizer_class"] == "KimiVLTokenizer"
+    )
     assert (exported / "tiktoken.model").read_bytes() == (source / "tiktoken.model").read_bytes()
     # The code is flat: sibling imports only, never our package names.
     for name in SHIPPED_CODE:
@@ -162,7 +164,18 @@ def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, referen
     assert result.returncode == 0, result.stdout + result.stderr
     with safe_open(output, framework="pt") as handle:
         classes = json.loads(handle.metadata()["classes"])
-    assert all(module.startswith("transformers_modules.") for module in classes.values()), classes
+    # Every class came from the exported files (transformers' remote-code modules), and they are ours.
+    assert all(name.startswith("transformers_modules.") for name in classes.values()), classes
+    expected_classes = {
+        "config": "configuration_kimi_vl.KimiVLConfig",
+        "model": "modeling_kimi_vl.KimiVLForConditionalGeneration",
+        "processor": "processing_kimi_vl.KimiVLProcessor",
+        "processor.image_processor": "image_processing_kimi_vl.KimiVLImageProcessor",
+        "processor.tokenizer": "tokenization_kimi_vl.KimiVLTokenizer",
+        "image_processor": "image_processing_kimi_vl.KimiVLImageProcessor",
+        "tokenizer": "tokenization_kimi_vl.KimiVLTokenizer",
+    }
+    assert {role: name.split(".", 3)[-1] for role, name in classes.items()} == expected_classes
     outputs = load_file(output)
     # 1e-4 relative to the logits' scale: what the original code's own float32 arithmetic allows.
     scale = expected["mm_logits"].abs().max().item()
@@ -375,7 +388,13 @@ def test_push_uploads_the_export_in_one_commit(exported, tmp_path):
     (folder / ".cache").mkdir()  # hidden entries are never uploaded
     with HubStandIn() as hub:
         # The token comes from huggingface_hub's usual sources; HF_TOKEN is one of them.
-        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_stand_in_token", "HF_HOME": str(tmp_path / "hf_home")}
+        # HF_HUB_OFFLINE=0: a CI that forbids downloads must still let the client talk to the local stand-in.
+        env = {
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": "hf_stand_in_token",
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "HF_HUB_OFFLINE": "0",
+        }
         args = ["--folder", str(folder), "--repo-id", "my-org/kimi-vl-tiny", "--private", "--revision", "dev"]
         result = run_cli("push", *args, env=env)
     assert result.returncode == 0, result.stderr
