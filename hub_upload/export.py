@@ -72,7 +72,7 @@ def export_checkpoint(
 ) -> ExportResult:
     source, out = Path(source).resolve(), Path(out).resolve()
     card = card or ModelCardInfo()
-    max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    max_shard_bytes = parse_size(str(max_shard_size))
     code_files = flat_code_files()
 
     problems = _output_problems(source, out, overwrite)
@@ -126,11 +126,10 @@ def _write_export(
     tokenizer_config = {key: value for key, value in checkpoint.tokenizer_config.items() if key != "chat_template"}
     tokenizer_config.update(auto_map=TOKENIZER_AUTO_MAP, tokenizer_class=TOKENIZER_CLASS.split(".")[-1])
     _write_json(folder / TOKENIZER_CONFIG_NAME, tokenizer_config)
-    for name in (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME):
-        if (checkpoint.folder / name).is_file():  # read_source made sure that the tokenizer model is there
+    # Carried over byte for byte (read_source made sure the tokenizer model is there; the others are optional).
+    for name in (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME, GENERATION_CONFIG_NAME):
+        if (checkpoint.folder / name).is_file():
             shutil.copyfile(checkpoint.folder / name, folder / name)
-    if (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
-        shutil.copyfile(checkpoint.folder / GENERATION_CONFIG_NAME, folder / GENERATION_CONFIG_NAME)
     # The checkpoint's own template wins (a fine-tune may have changed it); otherwise ours, which matches the release.
     chat_template = checkpoint.chat_template or CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
     (folder / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
