@@ -76,8 +76,6 @@ class StaticLatentLayer(CacheLayerMixin):
     shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never inside a capture.
     """
 
-    is_compileable = True
-
     def __init__(self, cache: StaticLatentCache):
         super().__init__()
         self.cache = cache

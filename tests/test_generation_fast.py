@@ -261,7 +261,7 @@ def test_bad_requests_are_rejected_with_what_is_allowed(model, expected):
         model.generate(**fixture_request(expected), max_new_tokens=4, num_beams=2, cache_implementation="static")
 
 
-def test_cuda_graphs_switch_on_cpu(model, expected):
+def test_graphs_switch_on_cpu(model, expected):
     request = fixture_request(expected)
     with pytest.raises(ValueError, match="cuda_graphs=True, but CUDA graphs need a CUDA device"):
         model.generate(**request, max_new_tokens=4, cache_implementation="static", cuda_graphs=True)
