@@ -279,6 +279,44 @@ def test_other_cache_implementations_keep_plain_generate(model, expected):
     assert model._static_generation_state().workspaces == {}
 
 
+# Reading a device tensor on the host inside a step would be a sync, which a CUDA graph capture refuses.
+HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+def forbid_host_reads(monkeypatch):
+    for name in HOST_READS:
+
+        def guarded(self, *args, _name=name, **kwargs):
+            raise AssertionError(f"Tensor.{_name}() inside a step")
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+
+def steps_of(model):
+    (workspace,) = model._static_generation_state().workspaces.values()
+    return [step for step, _ in workspace.prefill_steps.values()] + [workspace.decode_step]
+
+
+def test_steps_never_read_device_tensors_back_to_the_host(model, expected, monkeypatch):
+    model.generate(**fixture_request(expected), max_new_tokens=3, do_sample=False, cache_implementation="static")
+    steps = steps_of(model)
+    assert len(steps) == 2
+    with monkeypatch.context() as patched:
+        forbid_host_reads(patched)
+        for step in steps:
+            step.forward()
+
+
+def test_eager_experts_read_the_host_so_they_cannot_be_captured(reference_checkpoint, expected, monkeypatch):
+    """The counter-check of the test above: the data-dependent experts loop is caught by the same guard."""
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="eager")
+    model.eval().generate(**fixture_request(expected), max_new_tokens=3, cache_implementation="static")
+    with monkeypatch.context() as patched:
+        forbid_host_reads(patched)
+        with pytest.raises(AssertionError, match="inside a step"):
+            steps_of(model)[-1].forward()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CUDA: graph capture and replay (benchmarks/gpu_check.sh runs these on a GPU machine)
 # ---------------------------------------------------------------------------------------------------------------------
