@@ -16,10 +16,10 @@ function runs eagerly. All graphs of a model share one memory pool and live as l
 
 Layout of one request inside its workspace (batch bucket B, cache capacity C slots):
 
-    slot:   0 ............. T-1 | T ...... Lb-1 | T+1 ... C-1
-    prefill: the prompt as given  | filler (its    |
-             (left padding kept)  | output unused) |
-    decode:                       | token i is written at slot T+i, over the filler
+    cache slot:  0 ........... T-1 | T ............ Lb-1 | Lb ............ C-1
+    prefill:     prompt as given     | filler: written,     |
+                 (left padding kept) | output unused        |
+    decode:                          | generated token i is written at slot T+i (over the filler)
 
 Rows past the real batch are dummy prompts. The prompt keeps its own left padding, so every real token sits in the
 same cache slot and has the same rotary position as in plain `generate()`; that is what keeps greedy outputs

@@ -11,6 +11,7 @@ import torch
 from transformers import TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from image_processing import KimiVLTokenizer, write_tiny_tokenizer
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 
 PLACEHOLDER_ID = 300  # <|media_pad|> of the tiny checkpoint
@@ -203,17 +204,9 @@ def test_streamer_gets_the_prompt_then_each_token_then_end(model, expected):
     assert torch.cat([chunk.view(-1) for chunk in streamer.chunks[1:]]).tolist() == output[0, -6:].tolist()
 
 
-class SpacedIdTokenizer:
-    """Stands in for a tokenizer in TextIteratorStreamer: token i decodes to the word "t<i>" (space-separated, so
-    the streamer releases text word by word)."""
-
-    def decode(self, token_ids, **kwargs):
-        return "".join(f"t{int(token)} " for token in token_ids)
-
-
-def test_text_iterator_streamer_yields_the_generated_text(model, expected):
+def test_text_iterator_streamer_yields_the_generated_text(model, expected, tmp_path):
+    tokenizer = KimiVLTokenizer.from_pretrained(write_tiny_tokenizer(tmp_path))
     request = fixture_request(expected)
-    tokenizer = SpacedIdTokenizer()
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
     result = {}
 
@@ -224,10 +217,12 @@ def test_text_iterator_streamer_yields_the_generated_text(model, expected):
 
     thread = threading.Thread(target=run)
     thread.start()
-    pieces = list(streamer)
+    streamed = "".join(streamer)
     thread.join()
-    assert len(pieces) > 1, "text must arrive in pieces, while generating"
-    assert "".join(pieces) == tokenizer.decode(result["output"][0, -10:])
+    prompt_length = request["input_ids"].shape[1]
+    new_tokens = result["output"][0, prompt_length:]
+    assert torch.equal(new_tokens, expected["mm_generated"][0, prompt_length : prompt_length + 10])
+    assert streamed and streamed == tokenizer.decode(new_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
