@@ -172,7 +172,9 @@ def encode_images_data_parallel(
 
     `grid_hws` must be validated on every rank before this call, since a rank that failed alone would leave the
     others waiting in the gather. Every rank derives the same assignment from the same grids, so each knows every
-    rank's token count without communicating: the only collective is one all-gather.
+    rank's token count without communicating: each pads to the largest count itself (accelerate's
+    `pad_across_processes` would first all-gather the sizes and read them back to the host), and the only collective
+    is one all-gather through accelerate's `gather`.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
