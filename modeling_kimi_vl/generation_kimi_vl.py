@@ -35,6 +35,7 @@ a capture (under encoder data parallelism, ranks see different images).
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -47,6 +48,8 @@ CAPTURABLE_EXPERTS_IMPLEMENTATIONS = ("batched_mm", "grouped_mm")
 SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Cache capacities are rounded up to this many slots so that similar requests share a workspace (and its graphs).
 CACHE_SLOT_GRANULE = 256
+# Workspaces (a latent cache each, plus graphs) kept per model.
+MAX_WORKSPACES = 8
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -278,12 +281,15 @@ class GenerationWorkspace:
 class StaticGenerationState:
     """Per-model registry of workspaces, keyed by (batch bucket, cache slots), and the graph pool they share.
 
-    Graphs hold the addresses of the weights they read, so everything is dropped when the weights move (`.to()`,
-    reloading into new tensors); writing new values into the same tensors keeps the graphs valid.
+    At most MAX_WORKSPACES are kept, least recently used first out: each holds a whole latent cache, and request
+    lengths vary (a server that sets `max_cache_len` uses one capacity for all requests, so one workspace per batch
+    bucket). Graphs hold the addresses of the weights they read, so everything is dropped when the weights move
+    (`.to()`, reloading into new tensors) or when graphs are switched on or off; writing new values into the same
+    tensors keeps the graphs valid.
     """
 
     def __init__(self):
-        self.workspaces: dict[tuple[int, int], GenerationWorkspace] = {}
+        self.workspaces: OrderedDict[tuple[int, int], GenerationWorkspace] = OrderedDict()
         self.graph_pool = None
         self.weights_key = None
 
@@ -296,10 +302,14 @@ class StaticGenerationState:
             self.clear()
             self.weights_key = weights_key
         key = (batch_bucket(batch_size), num_slots)
-        if key not in self.workspaces:
+        if key in self.workspaces:
+            self.workspaces.move_to_end(key)
+        else:
             if use_graphs and self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             self.workspaces[key] = GenerationWorkspace(model, *key, self.graph_pool if use_graphs else None)
+            if len(self.workspaces) > MAX_WORKSPACES:
+                self.workspaces.popitem(last=False)
         return self.workspaces[key]
 
     def clear(self) -> None:

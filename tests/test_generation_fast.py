@@ -138,6 +138,20 @@ def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
     assert model._static_generation_state().workspaces == workspaces
 
 
+def test_workspaces_are_bounded_least_recently_used_first(model, monkeypatch):
+    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MAX_WORKSPACES", 2)
+    short, long = torch.arange(20, 40)[None], torch.arange(1, 261)[None]  # + 3 new tokens: 256 and 512 slots
+
+    def run(input_ids):
+        model.generate(input_ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
+        return list(model._static_generation_state().workspaces)
+
+    assert run(short) == [(1, 256)]
+    assert run(long) == [(1, 256), (1, 512)]
+    assert run(short) == [(1, 512), (1, 256)]  # reused, now the most recent
+    assert run(short.repeat(2, 1)) == [(1, 256), (2, 256)]  # a third workspace evicts the least recent
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sampling, streaming, outputs
 # ---------------------------------------------------------------------------------------------------------------------
