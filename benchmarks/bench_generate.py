@@ -9,9 +9,10 @@ Variants, each measured in its own child process (clean peak-memory counters; a 
 
 Per variant: decode tokens/s at each batch size (text prompt of --prompt-tokens, --new-tokens greedy tokens; the
 rate is taken between the first and the last streamed token of one call, so prefill does not mix in), time to first
-token for one image plus text (from the call to the first streamed token), and peak device memory. Ratios are taken against `plain` of the same run; batch-1 decode is also given as a percentage of the
-memory-bandwidth limit: bytes of weights one decode step reads (attention, dense and shared MLPs, top-k of the routed
-experts, norms, lm_head; bf16 on GPU) divided into the device bandwidth measured with a large copy.
+token for one image plus text (from the call to the first streamed token), and peak device memory. Ratios are taken
+against `plain` of the same run; batch-1 decode is also given as a percentage of the memory-bandwidth limit: bytes
+of weights one decode step reads (attention, dense and shared MLPs, top-k of the routed experts, norms, lm_head; bf16
+on GPU) divided into the device bandwidth measured with a large copy.
 
     python benchmarks/bench_generate.py                 # CPU: small config, plain vs ours
     python benchmarks/bench_generate.py --gpu           # one GPU: full Kimi-VL-A3B config, random bf16 weights
@@ -180,7 +181,8 @@ def measure_variant(args) -> None:
     model = build_model(args.size, device, dtype)
     text_config = model.config.text_config
     emit({"kind": "model", "experts_implementation": text_config._experts_implementation,
-          "decode_weight_bytes": decode_weight_bytes(model), "copy_bandwidth_bytes_per_s": copy_bandwidth(device)})  # fmt: skip
+          "decode_weight_bytes": decode_weight_bytes(model),
+          "copy_bandwidth_bytes_per_s": copy_bandwidth(device)})  # fmt: skip
     run = generate_function(model, args.variant)
     generator = torch.Generator().manual_seed(1)
     # Ordinary text ids, below the placeholder id in both configs.
@@ -249,16 +251,17 @@ def run_child(args, variant: str, timeout: float) -> tuple[list[dict], str | Non
 def summarize(variants: dict[str, dict]) -> dict:
     """Ratios against `plain`, and batch-1 decode of each variant against the bandwidth limit (the best copy
     bandwidth any child measured, over the bytes one decode step reads)."""
-    bandwidths = [result["copy_bandwidth_bytes_per_s"] for result in variants.values() if "decode_weight_bytes" in result]
-    weight_bytes = next((result["decode_weight_bytes"] for result in variants.values() if "decode_weight_bytes" in result), None)
-    limit = max(bandwidths) / weight_bytes if bandwidths else None
+    measured = [result for result in variants.values() if "decode_weight_bytes" in result]
+    bandwidth = max((result["copy_bandwidth_bytes_per_s"] for result in measured), default=None)
+    limit = bandwidth / measured[0]["decode_weight_bytes"] if measured else None
     summary = {"bandwidth_limit_tokens_per_s": limit}
     baseline = variants.get("plain", {})
     for name, result in variants.items():
         entry = {}
         for batch_size, rate in result["decode_tokens_per_s"].items():
-            if batch_size in baseline.get("decode_tokens_per_s", {}):
-                entry[f"decode_speedup_vs_plain_batch_{batch_size}"] = rate / baseline["decode_tokens_per_s"][batch_size]
+            baseline_rate = baseline.get("decode_tokens_per_s", {}).get(batch_size)
+            if baseline_rate:
+                entry[f"decode_speedup_vs_plain_batch_{batch_size}"] = rate / baseline_rate
         if result.get("time_to_first_token_s") and baseline.get("time_to_first_token_s"):
             entry["ttft_speedup_vs_plain"] = baseline["time_to_first_token_s"] / result["time_to_first_token_s"]
         if "1" in result["decode_tokens_per_s"] and limit:
@@ -299,7 +302,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile-budget", type=float, default=180.0,
-                        help="seconds hf_static may take in all (its compile included) before it is stopped")  # fmt: skip
+                        help="seconds hf_static may take in all (compile included) before it is stopped")  # fmt: skip
     parser.add_argument("--child-timeout", type=float, default=1800.0,
                         help="seconds the plain and ours variants may take each before they are stopped")  # fmt: skip
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child mode
@@ -338,11 +341,13 @@ def main() -> None:
         notes.setdefault("hf_static", "transformers compiles the decode step only on accelerators: eager on CPU")
 
     notes["load_average_after"] = list(os.getloadavg())
-    name = "bench_generate_gpu" if args.device == "cuda" else f"bench_generate_{args.device}_{args.size}"
+    name = f"bench_generate_{args.device}_{args.size}" + ("_gpu_preset" if args.gpu and args.device == "cpu" else "")
     settings = {key: getattr(args, key) for key in ("size", "device", "dtype", "batches", "new_tokens",
-                                                    "prompt_tokens", "repeats", "compile_budget", "child_timeout")}  # fmt: skip
-    path = write_result(name, {"settings": settings, "variants": results, "summary": summarize(results), "notes": notes})
-    print(json.dumps({"summary": summarize(results), "notes": notes}, indent=2))
+                                                    "prompt_tokens", "repeats", "compile_budget",
+                                                    "child_timeout")}  # fmt: skip
+    summary = summarize(results)
+    path = write_result(name, {"settings": settings, "variants": results, "summary": summary, "notes": notes})
+    print(json.dumps({"summary": summary, "notes": notes}, indent=2))
     print(f"written to {path}")
 
 

@@ -2,7 +2,7 @@
 # GPU checks of the static-cache generation path, on one CUDA device (sized for an H200, under 8 minutes in all):
 #   1. the CUDA-only tests: graph capture and replay, graph-on == graph-off == plain generate, capture refusal;
 #   2. benchmarks/bench_generate.py --gpu: full Kimi-VL-A3B config with random bf16 weights, results JSON written to
-#      benchmarks/results/bench_generate_gpu.json.
+#      benchmarks/results/bench_generate_cuda_full.json.
 # Every stage has a hard time limit; a benchmark variant that overruns is stopped and noted in the JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
