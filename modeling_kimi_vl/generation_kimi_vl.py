@@ -35,9 +35,11 @@ a capture (under encoder data parallelism, ranks see different images).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import OrderedDict
 
 import torch
+from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
@@ -50,6 +52,9 @@ SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 CACHE_SLOT_GRANULE = 256
 # Workspaces (a latent cache each, plus graphs) kept per model.
 MAX_WORKSPACES = 8
+# transformers 5.24 renamed the language model's cache argument from `past_key_values` to `cache` (the old name warns
+# on every call until 5.40); pass it under the name the installed version takes.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -196,7 +201,7 @@ class GenerationWorkspace:
         outputs = self.model.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **{CACHE_ARGUMENT: self.cache},
             use_cache=True,
             logits_to_keep=logits_index if logits_index is not None else 1,
             **inputs,
@@ -398,7 +403,7 @@ class KimiVLStaticGenerationMixin:
         position_ids = model_kwargs.pop("position_ids", None)
         # `generate` also prepared a transformers StaticCache (allocated lazily, so still empty): the workspace keeps
         # its own, whose address the graphs hold across calls.
-        for prepared in ("past_key_values", "use_cache", "logits_to_keep"):
+        for prepared in (CACHE_ARGUMENT, "use_cache", "logits_to_keep"):
             model_kwargs.pop(prepared, None)
         unsupported = sorted(name for name, value in model_kwargs.items() if value is not None)
         if unsupported:

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
-from .generation_kimi_vl import KimiVLStaticGenerationMixin
+from .generation_kimi_vl import CACHE_ARGUMENT, KimiVLStaticGenerationMixin
 from .parallel_kimi_vl import (
     MOONVIT_TP_PLAN,
     check_kimi_vl_tp_size,
@@ -488,6 +488,8 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             Patch rows and columns of each image. Ignored when there are no `pixel_values` (decode steps).
         labels (`torch.LongTensor` of shape `[batch, seq]`):
             Next-token targets aligned with `input_ids` (shifted inside the loss); `-100` is ignored.
+        past_key_values (`Cache`):
+            The language model's cache (transformers >= 5.24 also accepts it under its new name, `cache`).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
@@ -497,10 +499,12 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             image_features = self.get_image_features(pixel_values, image_grid_hws)
             inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
 
+        # generate() on transformers >= 5.24 hands the cache over as `cache`; earlier releases as `past_key_values`.
+        cache = kwargs.pop(CACHE_ARGUMENT, past_key_values)
         return self.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            **{CACHE_ARGUMENT: cache},
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
