@@ -38,23 +38,6 @@ from common import write_result  # noqa: E402
 
 VARIANTS = ("plain", "hf_static", "ours")
 
-# Spec section 1: Kimi-VL-A3B.
-FULL_CONFIG = dict(
-    vision_config=dict(
-        patch_size=14, init_pos_emb_height=64, init_pos_emb_width=64, num_attention_heads=16,
-        num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, merge_kernel_size=[2, 2],
-    ),
-    text_config=dict(
-        model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_hidden_layers=27,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=11264,
-        first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=64, moe_intermediate_size=1408,
-        num_experts_per_tok=6, n_shared_experts=2, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
-        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, rope_theta=800000.0, rope_scaling=None,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ),
-    media_placeholder_token_id=163605,
-)  # fmt: skip
 # Same architecture, small enough for a 2-core CPU.
 SMALL_CONFIG = dict(
     vision_config=dict(
@@ -79,9 +62,12 @@ TTFT_GRID = {"full": (66, 66), "small": (16, 16)}
 
 def build_model(size: str, device: str, dtype: torch.dtype):
     """Random weights, created directly on the device: meta-device construction, then allocation and init there."""
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, kimi_vl_a3b_config
 
-    config = KimiVLConfig(**(FULL_CONFIG if size == "full" else SMALL_CONFIG), attn_implementation="sdpa")
+    if size == "full":
+        config = kimi_vl_a3b_config(attn_implementation="sdpa")
+    else:
+        config = KimiVLConfig(**SMALL_CONFIG, attn_implementation="sdpa")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

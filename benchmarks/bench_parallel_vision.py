@@ -21,13 +21,11 @@ import torch.distributed as dist
 from transformers import DistributedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, write_result  # noqa: E402
+from common import MIXED_GRIDS, median_seconds, write_result  # noqa: E402
 
 from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
 from modeling_kimi_vl.parallel_kimi_vl import assign_images_to_ranks, encode_images_data_parallel  # noqa: E402
 
-# Mixed grids (rows, cols) as the image processor makes them: portrait, landscape, small, square, panoramic.
-GRIDS = [(24, 16), (16, 30), (8, 8), (20, 20), (6, 40), (12, 12)]
 
 
 def main() -> None:
@@ -59,11 +57,11 @@ def main() -> None:
         dist.barrier()  # rank 0 removes the folder when it leaves this block
 
     generator = torch.Generator().manual_seed(1)
-    pixel_values = torch.randn(sum(r * c for r, c in GRIDS), 3, 14, 14, generator=generator).to(device)
-    grid_hws = torch.tensor(GRIDS)
+    pixel_values = torch.randn(sum(r * c for r, c in MIXED_GRIDS), 3, 14, 14, generator=generator).to(device)
+    grid_hws = torch.tensor(MIXED_GRIDS)
 
     def data_mode():
-        return encode_images_data_parallel(replicated_tower, pixel_values, GRIDS)
+        return encode_images_data_parallel(replicated_tower, pixel_values, MIXED_GRIDS)
 
     def weight_mode():
         return weight_tower(pixel_values, grid_hws)
@@ -96,14 +94,14 @@ def main() -> None:
         single_seconds, data_seconds, weight_seconds = (statistics.median(timings[name][1:]) for name in variants)
 
     if rank == 0:
-        loads = [r * c for r, c in GRIDS]
+        loads = [r * c for r, c in MIXED_GRIDS]
         patches_per_rank = [sum(loads[i] for i in images) for images in assign_images_to_ranks(loads, world_size)]
         rows = [
             (f"1 process, {baseline_threads} thread(s)", single_seconds),
             (f"data mode, {world_size} processes", data_seconds),
             (f"weight mode, {world_size} processes", weight_seconds),
         ]
-        print(f"MoonViT width 1152, {args.layers} blocks, {len(GRIDS)} images, {pixel_values.shape[0]} patches "
+        print(f"MoonViT width 1152, {args.layers} blocks, {len(MIXED_GRIDS)} images, {pixel_values.shape[0]} patches "
               f"(per rank in data mode: {patches_per_rank}), {device.type}")  # fmt: skip
         print(f"{'variant':32s} {'seconds':>9s} {'vs 1 process':>13s}")
         for name, seconds in rows:
@@ -113,7 +111,7 @@ def main() -> None:
             {
                 "config": {
                     "layers": args.layers,
-                    "grids": GRIDS,
+                    "grids": MIXED_GRIDS,
                     "patches": pixel_values.shape[0],
                     "processes": world_size,
                     "threads_per_process": threads_per_process,

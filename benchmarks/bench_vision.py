@@ -19,12 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, write_result  # noqa: E402
+from common import MIXED_GRIDS, median_seconds, write_result  # noqa: E402
 
 from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
 
-# Mixed grids (rows, cols) as the image processor makes them: portrait, landscape, small, square, panoramic.
-GRIDS = [(24, 16), (16, 30), (8, 8), (20, 20), (6, 40), (12, 12)]
 
 
 def main() -> None:
@@ -41,9 +39,9 @@ def main() -> None:
     torch.manual_seed(0)
     config = MoonViTConfig(num_hidden_layers=args.layers, attn_implementation="sdpa")
     tower = MoonViTModel(config).to(device=args.device, dtype=dtype).eval()
-    pixel_values = torch.randn(sum(r * c for r, c in GRIDS), 3, 14, 14, device=args.device, dtype=dtype)
-    grid_hws = torch.tensor(GRIDS)
-    per_image = list(zip(pixel_values.split([r * c for r, c in GRIDS]), grid_hws.split(1)))
+    pixel_values = torch.randn(sum(r * c for r, c in MIXED_GRIDS), 3, 14, 14, device=args.device, dtype=dtype)
+    grid_hws = torch.tensor(MIXED_GRIDS)
+    per_image = list(zip(pixel_values.split([r * c for r, c in MIXED_GRIDS]), grid_hws.split(1)))
     pos_emb = tower.patch_embed.pos_emb
 
     def packed():
@@ -69,7 +67,7 @@ def main() -> None:
         ("one image at a time, position cache", one_at_a_time_seconds),
         ("packed, no position cache", no_cache_seconds),
     ]
-    print(f"MoonViT width 1152, {args.layers} blocks, {len(GRIDS)} images, {pixel_values.shape[0]} patches, "
+    print(f"MoonViT width 1152, {args.layers} blocks, {len(MIXED_GRIDS)} images, {pixel_values.shape[0]} patches, "
           f"{args.device} {args.dtype}")  # fmt: skip
     print(f"{'variant':40s} {'seconds':>9s} {'vs packed':>10s}")
     for name, seconds in rows:
@@ -78,7 +76,7 @@ def main() -> None:
     path = write_result(
         f"bench_vision_{args.device}",
         {
-            "config": {"layers": args.layers, "grids": GRIDS, "patches": pixel_values.shape[0], "dtype": args.dtype},
+            "config": {"layers": args.layers, "grids": MIXED_GRIDS, "patches": pixel_values.shape[0], "dtype": args.dtype},
             "seconds": {name: seconds for name, seconds in rows},
             "speedup_packed_vs_one_at_a_time": one_at_a_time_seconds / packed_seconds,
             "speedup_position_cache": no_cache_seconds / packed_seconds,

@@ -11,6 +11,10 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+# A fixed mixed batch of image grids (rows, cols) as the image processor makes them: portrait, landscape, small,
+# square, panoramic. 1712 patches in all.
+MIXED_GRIDS = [(24, 16), (16, 30), (8, 8), (20, 20), (6, 40), (12, 12)]
+
 
 def machine_description() -> dict:
     """What the numbers were measured on; every result file names its machine."""

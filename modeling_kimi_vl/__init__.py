@@ -7,7 +7,7 @@ from transformers import (
     AutoModelForImageTextToText,
 )
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, kimi_vl_a3b_config
 from .modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLPreTrainedModel, MoonViTModel
 
 AutoConfig.register(MoonViTConfig.model_type, MoonViTConfig, exist_ok=True)
@@ -22,4 +22,5 @@ __all__ = [
     "KimiVLForConditionalGeneration",
     "KimiVLPreTrainedModel",
     "MoonViTModel",
+    "kimi_vl_a3b_config",
 ]

@@ -85,4 +85,26 @@ class KimiVLConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
 
-__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES"]
+def kimi_vl_a3b_config(**kwargs) -> KimiVLConfig:
+    """The architecture of the published Kimi-VL-A3B checkpoints (Instruct, Thinking, Thinking-2506): 16,407,656,048
+    parameters. For building the model without its files, e.g. on the meta device or with random weights for a
+    benchmark; `kwargs` override top-level fields (such as `attn_implementation`)."""
+    vision_config = dict(
+        patch_size=14, init_pos_emb_height=64, init_pos_emb_width=64, num_attention_heads=16,
+        num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, merge_kernel_size=[2, 2],
+    )  # fmt: skip
+    text_config = dict(
+        vocab_size=163840, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=11264, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=64,
+        moe_intermediate_size=1408, num_experts_per_tok=6, n_shared_experts=2, topk_method="noaux_tc",
+        scoring_func="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446,
+        rope_theta=800000.0, rope_scaling=None, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, hidden_act="silu",
+    )  # fmt: skip
+    return KimiVLConfig(
+        vision_config=vision_config, text_config=text_config, media_placeholder_token_id=163605, **kwargs
+    )
+
+
+__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES", "kimi_vl_a3b_config"]

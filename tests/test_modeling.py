@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig
+from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig, kimi_vl_a3b_config
 
 RTOL = 1e-4  # what the original code's own float32 arithmetic allows (fixture README)
 
@@ -88,21 +88,8 @@ def test_save_pretrained_writes_the_original_layout_bit_identical(reference_mode
 
 
 def test_real_kimi_vl_a3b_config_has_the_published_parameter_count():
-    config = KimiVLConfig(
-        vision_config=dict(
-            patch_size=14, init_pos_emb_height=64, init_pos_emb_width=64, num_attention_heads=16,
-            num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, merge_kernel_size=[2, 2],
-        ),
-        text_config=dict(
-            model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_hidden_layers=27,
-            num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=11264,
-            first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=64, moe_intermediate_size=1408,
-            num_experts_per_tok=6, n_shared_experts=2, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
-            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, rope_theta=800000.0, rope_scaling=None,
-            max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        ),
-    )  # fmt: skip
+    config = kimi_vl_a3b_config()
+    assert config.text_config.n_routed_experts == 64 and config.vision_config.num_hidden_layers == 27
     with torch.device("meta"):
         model = KimiVLForConditionalGeneration(config)
 
