@@ -31,8 +31,14 @@ test: venv browser
 demo: venv
 	$(PY) app.py $(DEMO_ARGS)
 
+# The CPU benchmarks; each prints a table and writes JSON (with the machine) to benchmarks/results/.
+# On one GPU: `bash benchmarks/gpu_check.sh`.
 bench: venv
 	$(PY) benchmarks/bench_vision.py
+	$(PY) benchmarks/bench_image_processor.py
+	$(PY) benchmarks/bench_generate.py
+	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py
+	$(PY) benchmarks/bench_hub_export_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
