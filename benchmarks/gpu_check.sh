@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
+# Without `make venv` (e.g. a GPU machine with its own torch and transformers), import the packages from the checkout.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check.sh: no CUDA device visible")'
 "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)'
