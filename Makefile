@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# A CPU build of torch installs here from local disk; on a CUDA machine override, e.g. TORCH_SPEC="torch==2.13.0".
+# The torch to install first (then nothing in pyproject.toml pulls another). On this project's CI machines the pinned
+# release comes as a CPU build from local wheels; from PyPI on Linux it is the CUDA build (several GB). For a CPU-only
+# machine elsewhere: TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
+CHROMIUM ?= $(or $(KIMI_VL_CHROMIUM),/usr/bin/chromium)
 EXTRAS ?= test,demo
 
 .PHONY: venv browser test demo bench clean
@@ -11,7 +14,7 @@ EXTRAS ?= test,demo
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "creating $(VENV) failed: install Python's venv module (Debian: apt-get install python3-venv)" >&2; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
@@ -21,8 +24,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 # with apt access; KIMI_VL_SKIP_BROWSER_TEST=1 skips both this step and that test on a developer machine. A failed
 # install does not stop `make test`: the other tests still run, and the browser test fails saying what is missing.
 browser:
-	-@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x /usr/bin/chromium || { \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+	-@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x $(CHROMIUM) || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } || \
+		echo "could not install chromium (needs root and Debian's apt); the browser test will fail" >&2
 
 test: venv browser
 	$(PY) -m pytest -q
