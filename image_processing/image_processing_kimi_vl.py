@@ -22,6 +22,7 @@ uint8 -> float32 copy per image straight into its slice of the output, then thre
 import functools
 import inspect
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ class KimiVLImageProcessor(BaseImageProcessor):
         in_token_limit (`int`, defaults to 4096): images with more patches than this are scaled down.
         patch_size (`int`, defaults to 14): side of a square patch in pixels.
         pad_input (`bool`, defaults to `True`): pad to whole merge windows; if `False`, center-crop to patches.
-        image_mean, image_std (3 floats, default 0.5 each): per-channel normalisation.
+        image_mean, image_std (3 floats or one float for all channels, default 0.5 each): per-channel normalisation.
         merge_kernel_size (2 ints, defaults to `[2, 2]`): patches merged into one text token (rows, columns).
         num_pooled_tokens (`int`, defaults to 1024): kept from the released config for round-tripping; unused.
 
@@ -142,8 +143,8 @@ class KimiVLImageProcessor(BaseImageProcessor):
         in_token_limit: int = 4096,
         patch_size: int = 14,
         pad_input: bool = True,
-        image_mean: list[float] = (0.5, 0.5, 0.5),
-        image_std: list[float] = (0.5, 0.5, 0.5),
+        image_mean: float | list[float] = (0.5, 0.5, 0.5),
+        image_std: float | list[float] = (0.5, 0.5, 0.5),
         merge_kernel_size: list[int] = (2, 2),
         num_pooled_tokens: int = 1024,
         **kwargs,
@@ -152,11 +153,13 @@ class KimiVLImageProcessor(BaseImageProcessor):
         self.in_token_limit = in_token_limit
         self.patch_size = patch_size
         self.pad_input = pad_input
-        self.image_mean = [float(value) for value in image_mean]
-        self.image_std = [float(value) for value in image_std]
-        self.merge_kernel_size = [int(value) for value in merge_kernel_size]
+        self.image_mean = image_mean
+        self.image_std = image_std
+        self.merge_kernel_size = merge_kernel_size
         self.num_pooled_tokens = num_pooled_tokens
-        self._settings()  # validates
+        # Validate, and keep the normalised forms (lists; a scalar mean or std expanded to the three channels).
+        for name, value in self._settings().items():
+            setattr(self, name, value)
 
     def preprocess(self, images, **kwargs) -> BatchFeature:
         """Process one image or a list of images; see the class docstring for inputs and outputs."""
@@ -175,8 +178,8 @@ class KimiVLImageProcessor(BaseImageProcessor):
         pad_input: bool | None = None,
         patch_size: int | None = None,
         merge_kernel_size: list[int] | None = None,
-        image_mean: list[float] | None = None,
-        image_std: list[float] | None = None,
+        image_mean: float | list[float] | None = None,
+        image_std: float | list[float] | None = None,
         return_tensors: str | None = None,
     ) -> BatchFeature:
         settings = self._settings(
@@ -204,10 +207,10 @@ class KimiVLImageProcessor(BaseImageProcessor):
         )
 
     def _settings(self, **overrides) -> dict:
-        """This processor's settings with the given per-call values (None means: keep the attribute), validated."""
+        """This processor's settings with the given per-call values (None means: keep the attribute), validated
+        and normalised by `_checked_settings`."""
         settings = {name: getattr(self, name) if overrides.get(name) is None else overrides[name] for name in SETTING_NAMES}
-        _validate_settings(settings)
-        return settings
+        return _checked_settings(settings)
 
     def get_image_grid_hw(self, height: int, width: int, images_kwargs: dict | None = None) -> tuple[int, int]:
         """(rows, columns) of patches for an image of `height` x `width` pixels, without processing it."""
@@ -220,22 +223,40 @@ class KimiVLImageProcessor(BaseImageProcessor):
         return rows * columns
 
 
-def _validate_settings(settings: dict) -> None:
-    """Reject settings the algorithm cannot run with, saying which value is wrong and what is allowed."""
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _checked_settings(settings: dict) -> dict:
+    """Reject settings the algorithm cannot run with, saying which value is wrong and what is allowed.
+
+    Returns the settings with `merge_kernel_size`, `image_mean` and `image_std` as lists, a single number for
+    `image_mean` / `image_std` standing for all three channels (transformers types them `float | list[float]`).
+    """
+    settings = dict(settings)
     for name in ("in_token_limit", "patch_size"):
-        value = settings[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if not _is_positive_int(settings[name]):
+            raise ValueError(f"`{name}` must be a positive integer, got {settings[name]!r}.")
     if not isinstance(settings["pad_input"], bool):
         raise ValueError(f"`pad_input` must be True or False, got {settings['pad_input']!r}.")
     kernel = settings["merge_kernel_size"]
-    if len(kernel) != 2 or any(not isinstance(k, int) or k < 1 for k in kernel):
+    if not (isinstance(kernel, (list, tuple)) and len(kernel) == 2 and all(_is_positive_int(k) for k in kernel)):
         raise ValueError(f"`merge_kernel_size` must be two positive integers [rows, columns], got {kernel!r}.")
+    settings["merge_kernel_size"] = list(kernel)
     for name in ("image_mean", "image_std"):
-        if len(settings[name]) != 3:
-            raise ValueError(f"`{name}` must have one value per RGB channel (3), got {settings[name]!r}.")
+        values = [settings[name]] * 3 if _is_real(settings[name]) else settings[name]
+        if not (isinstance(values, (list, tuple)) and len(values) == 3 and all(_is_real(v) for v in values)):
+            raise ValueError(
+                f"`{name}` must be one number or three (one per RGB channel), got {settings[name]!r}."
+            )
+        settings[name] = [float(value) for value in values]
     if any(value == 0 for value in settings["image_std"]):
         raise ValueError(f"`image_std` values must be non-zero, got {settings['image_std']!r}.")
+    return settings
 
 
 def _geometry_from(settings: dict) -> _Geometry:

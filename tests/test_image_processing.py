@@ -237,11 +237,29 @@ def test_empty_list_and_too_small_crop_are_explained():
         ({"merge_kernel_size": [2]}, "merge_kernel_size"),
         ({"image_std": [0.5, 0.0, 0.5]}, "image_std"),
         ({"image_mean": [0.5]}, "image_mean"),
+        ({"merge_kernel_size": 2}, r"`merge_kernel_size` must be two positive integers \[rows, columns\], got 2"),
+        ({"merge_kernel_size": [2, True]}, "merge_kernel_size"),
+        ({"image_mean": "0.5"}, r"`image_mean` must be one number or three \(one per RGB channel\), got '0.5'"),
+        ({"image_std": None}, r"`image_std` must be one number or three .*got None"),
+        ({"image_std": [0.5, "x", 0.5]}, "image_std"),
+        ({"image_std": 0}, "`image_std` values must be non-zero"),
     ],
 )
 def test_bad_settings_are_rejected(settings, message):
     with pytest.raises(ValueError, match=message):
         KimiVLImageProcessor(**settings)
+    if None not in settings.values():  # per call, None means: keep the processor's own value
+        with pytest.raises(ValueError, match=message):
+            KimiVLImageProcessor()(_random_rgb(28, 28), **settings)
+
+
+def test_one_number_mean_and_std_stand_for_all_three_channels():
+    image = _random_rgb(60, 40)
+    expanded = KimiVLImageProcessor(image_mean=[0.25] * 3, image_std=[0.75] * 3)(image)["pixel_values"]
+    scalar = KimiVLImageProcessor(image_mean=0.25, image_std=0.75)
+    assert (scalar.image_mean, scalar.image_std) == ([0.25] * 3, [0.75] * 3)
+    assert torch.equal(scalar(image)["pixel_values"], expanded)
+    assert torch.equal(KimiVLImageProcessor()(image, image_mean=0.25, image_std=0.75)["pixel_values"], expanded)
 
 
 # --- config files and kwargs ----------------------------------------------------------------------------------
