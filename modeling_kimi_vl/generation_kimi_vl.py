@@ -425,10 +425,7 @@ class KimiVLStaticGenerationMixin:
         num_slots = self._static_cache_slots(prompt_length, generation_config)
         workspace = self._static_generation_state().workspace(self, batch_size, num_slots, use_graphs)
 
-        inputs_embeds = self.get_input_embeddings()(input_ids)
-        if pixel_values is not None:
-            image_features = self.get_image_features(pixel_values, image_grid_hws)
-            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
+        inputs_embeds = self.embed_inputs(input_ids, pixel_values=pixel_values, image_grid_hws=image_grid_hws)
         next_token_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
 
         # From here on, the same token selection and stopping logic as GenerationMixin._sample.

@@ -467,6 +467,23 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             )
         return inputs_embeds.masked_scatter(mask.unsqueeze(-1), image_features.to(inputs_embeds.dtype))
 
+    def embed_inputs(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        image_grid_hws: torch.LongTensor | None = None,
+    ) -> torch.FloatTensor:
+        """Token embeddings with the image features written over the placeholders: the language model's input."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            image_features = self.get_image_features(pixel_values, image_grid_hws)
+            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
+        return inputs_embeds
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -491,14 +508,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         past_key_values (`Cache`):
             The language model's cache (transformers >= 5.24 also accepts it under its new name, `cache`).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings()(input_ids)
-        if pixel_values is not None:
-            image_features = self.get_image_features(pixel_values, image_grid_hws)
-            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
-
+        inputs_embeds = self.embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hws)
         # generate() on transformers >= 5.24 hands the cache over as `cache`; earlier releases as `past_key_values`.
         cache = kwargs.pop(CACHE_ARGUMENT, past_key_values)
         return self.language_model(
