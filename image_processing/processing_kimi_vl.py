@@ -1,5 +1,6 @@
 """Processor of Kimi-VL: chat template, image placeholder expansion, batching; and the Thinking-output splitter."""
 
+import inspect
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,6 +14,9 @@ from .tokenization_kimi_vl import KimiVLTokenizer
 IMAGE_PLACEHOLDER = "<|media_pad|>"
 THINK_OPEN = "◁think▷"
 THINK_CLOSE = "◁/think▷"
+
+# The image processor's own settings (its __init__ parameters): `from_pretrained` routes these to it, not the tokenizer.
+IMAGE_PROCESSOR_SETTINGS = frozenset(inspect.signature(KimiVLImageProcessor.__init__).parameters) - {"self", "kwargs"}
 
 
 class KimiVLProcessorKwargs(ProcessingKwargs, total=False):
@@ -34,24 +38,38 @@ class KimiVLProcessor(ProcessorMixin):
     `processor(text=..., images=...)` replaces the i-th `<|media_pad|>` in the text(s) by rows * cols /
     (merge rows * merge cols) copies for the i-th image, tokenizes (padding a batch; `padding_side="left"` for
     generation) and returns `input_ids`, `attention_mask`, `pixel_values` and `image_grid_hws`.
+
+    `images` is one image, a flat list (matched to the placeholders in order, across prompts), or one list per
+    prompt (each prompt must then have exactly as many placeholders as its list has images).
     """
 
     valid_processor_kwargs = KimiVLProcessorKwargs
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+        if tokenizer is None:
+            raise ValueError(f"KimiVLProcessor needs a tokenizer that has the {IMAGE_PLACEHOLDER} token; got None.")
+        image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+        # Tokenizers map unknown tokens to their unk id (or to None when they have none).
+        if image_token_id is None or image_token_id == tokenizer.unk_token_id:
+            raise ValueError(
+                f"The tokenizer ({type(tokenizer).__name__}) has no {IMAGE_PLACEHOLDER} token; Kimi-VL needs it as "
+                "the single id that image features replace. Use the model's own tokenizer (KimiVLTokenizer)."
+            )
         super().__init__(image_processor, tokenizer, chat_template=chat_template or _packaged_chat_template())
         self.image_token = IMAGE_PLACEHOLDER
-        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+        self.image_token_id = image_token_id
 
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         # Load the concrete classes rather than going through the Auto API: remote-code copies need no registration,
         # and transformers releases before 5.2x gate AutoImageProcessor behind torchvision, which we do not need.
-        image_processor_settings = (processor_dict or {}).get("image_processor")
-        if isinstance(image_processor_settings, dict):  # 5.23 saves them inside processor_config.json
-            image_processor = KimiVLImageProcessor(**image_processor_settings)
-        else:
-            image_processor = KimiVLImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        # Image-processor settings given here override the saved ones and go to the image processor only; the
+        # other kwargs (Hub access, tokenizer options) go to the tokenizer, and the Hub ones to the file lookup too.
+        setting_overrides = {name: kwargs.pop(name) for name in IMAGE_PROCESSOR_SETTINGS if name in kwargs}
+        saved_settings = (processor_dict or {}).get("image_processor")
+        if not isinstance(saved_settings, dict):  # 5.23 saves them inside processor_config.json; others beside it
+            saved_settings, _ = KimiVLImageProcessor.get_image_processor_dict(pretrained_model_name_or_path, **kwargs)
+        image_processor = KimiVLImageProcessor(**{**saved_settings, **setting_overrides})
         return [image_processor, KimiVLTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)]
 
     def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
@@ -59,7 +77,10 @@ class KimiVLProcessor(ProcessorMixin):
         output_kwargs = self._merge_kwargs(
             KimiVLProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs
         )
-        placeholder_count = sum(sample.count(IMAGE_PLACEHOLDER) for sample in texts)
+        placeholder_counts = [sample.count(IMAGE_PLACEHOLDER) for sample in texts]
+        if _is_per_prompt(images):
+            _check_images_per_prompt(placeholder_counts, images)
+        placeholder_count = sum(placeholder_counts)
         image_inputs = {}
         if images is not None:
             image_inputs = dict(self.image_processor(images, **output_kwargs["images_kwargs"]))
@@ -99,6 +120,27 @@ class KimiVLProcessor(ProcessorMixin):
     @property
     def model_input_names(self) -> list[str]:
         return ["input_ids", "attention_mask", "pixel_values", "image_grid_hws"]
+
+
+def _is_per_prompt(images) -> bool:
+    """Whether `images` is given as one list per prompt (a list holding lists) rather than one flat list."""
+    return isinstance(images, (list, tuple)) and any(isinstance(item, (list, tuple)) for item in images)
+
+
+def _check_images_per_prompt(placeholder_counts: list[int], images: list) -> None:
+    """Each prompt's placeholders must match its own images; equal totals could still pair images with the wrong prompt."""
+    if len(images) != len(placeholder_counts):
+        raise ValueError(
+            f"`images` has {len(images)} per-prompt lists but `text` has {len(placeholder_counts)} prompt(s); "
+            "give one list of images per prompt (an empty list for a prompt without images)."
+        )
+    for index, (placeholder_count, prompt_images) in enumerate(zip(placeholder_counts, images)):
+        image_count = len(prompt_images) if isinstance(prompt_images, (list, tuple)) else 1
+        if placeholder_count != image_count:
+            raise ValueError(
+                f"Prompt {index} has {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} "
+                "image(s) were given for it; each image needs exactly one placeholder in its own prompt."
+            )
 
 
 def _as_text_list(text) -> list[str]:

@@ -1,5 +1,7 @@
 """KimiVLProcessor and chat template: exact prompts, placeholder expansion, batching, fixture outputs, splitter."""
 
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -112,6 +114,37 @@ def test_placeholder_and_image_counts_must_match(processor, placeholders, image_
         processor(text=text, images=images)
 
 
+def test_images_given_per_prompt_must_match_each_prompt(processor):
+    first, second = Image.new("RGB", (28, 28), "red"), Image.new("RGB", (56, 28), "blue")
+    # Equal totals (2 and 2), but prompt 0 has two placeholders and only one image of its own.
+    with pytest.raises(ValueError, match=r"Prompt 0 has 2 <\|media_pad\|> placeholder\(s\) but 1 image\(s\)"):
+        processor(text=[IMAGE + IMAGE, "no image"], images=[[first], [second]])
+    with pytest.raises(ValueError, match=r"Prompt 1 has 0 <\|media_pad\|> placeholder\(s\) but 1 image"):
+        processor(text=[IMAGE, "no image"], images=[[first], [second]])
+    with pytest.raises(ValueError, match=r"`images` has 1 per-prompt lists but `text` has 2 prompt\(s\)"):
+        processor(text=[IMAGE, IMAGE], images=[[first, second]])
+
+    per_prompt = processor(text=["no image", IMAGE + IMAGE], images=[[], [first, second]], return_tensors="pt")
+    flat = processor(text=["no image", IMAGE + IMAGE], images=[first, second], return_tensors="pt")
+    assert torch.equal(per_prompt["input_ids"], flat["input_ids"])
+    assert torch.equal(per_prompt["pixel_values"], flat["pixel_values"])
+    # A flat list is matched to the placeholders in order across prompts.
+    across = processor(text=[IMAGE, IMAGE], images=[first, second], return_tensors="pt")
+    assert [row.count(processor.image_token_id) for row in across["input_ids"].tolist()] == [1, 2]
+
+
+def test_tokenizer_without_the_image_token_is_rejected(tiny_dir):
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    without_pad = {i: t for i, t in config["added_tokens_decoder"].items() if t["content"] != "<|media_pad|>"}
+    tokenizer = KimiVLTokenizer(
+        str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=without_pad
+    )
+    with pytest.raises(ValueError, match=r"The tokenizer \(KimiVLTokenizer\) has no <\|media_pad\|> token"):
+        KimiVLProcessor(KimiVLImageProcessor(), tokenizer)
+    with pytest.raises(ValueError, match="needs a tokenizer .* got None"):
+        KimiVLProcessor(KimiVLImageProcessor(), None)
+
+
 def test_bad_text_and_unmergeable_grid_are_explained(processor, tiny_dir):
     with pytest.raises(ValueError, match="`text` must be a string or a non-empty list of strings"):
         processor(text=[1, 2])
@@ -132,6 +165,25 @@ def test_save_and_load_keep_template_and_settings(processor, tmp_path):
     assert isinstance(loaded, KimiVLProcessor) and loaded.image_processor.in_token_limit == 64
     messages = _conversation(None, None, None)
     assert loaded.apply_chat_template(messages) == processor.apply_chat_template(messages)
+
+
+HUB_PREPROCESSOR_CONFIG = {"in_token_limit": 4096, "patch_size": 14, "merge_kernel_size": [2, 2], "pad_input": True,
+                           "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "image_processor_type": "KimiVLImageProcessor"}
+
+
+@pytest.mark.parametrize("layout", ["saved_by_save_pretrained", "hub_preprocessor_config"])
+def test_from_pretrained_routes_image_settings_to_the_image_processor(layout, processor, tiny_dir, tmp_path):
+    if layout == "saved_by_save_pretrained":
+        KimiVLProcessor(KimiVLImageProcessor(), processor.tokenizer).save_pretrained(tmp_path)
+    else:  # the released repository's layout: tokenizer files plus preprocessor_config.json
+        processor.tokenizer.save_pretrained(tmp_path)
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(HUB_PREPROCESSOR_CONFIG))
+    assert KimiVLProcessor.from_pretrained(tmp_path).image_processor.in_token_limit == 4096
+
+    loaded = KimiVLProcessor.from_pretrained(tmp_path, in_token_limit=64, image_mean=0.25, padding_side="left")
+    assert loaded.image_processor.in_token_limit == 64 and loaded.image_processor.image_mean == [0.25] * 3
+    assert loaded.tokenizer.padding_side == "left"
+    assert not {"in_token_limit", "image_mean"} & set(loaded.tokenizer.init_kwargs)
 
 
 @pytest.mark.parametrize(
