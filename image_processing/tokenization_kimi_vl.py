@@ -110,11 +110,8 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         self.vocab_file = vocab_file
         self.num_base_tokens = len(ranks)
         self.num_reserved_special_tokens = num_reserved_special_tokens
-        named = self._named_special_tokens(added_tokens_decoder or {})
-        special_ids = {
-            named.get(token_id, f"<|reserved_token_{token_id}|>"): token_id
-            for token_id in range(len(ranks), len(ranks) + num_reserved_special_tokens)
-        }
+        special_tokens = self._special_token_strings(added_tokens_decoder or {})
+        special_ids = {token: self.num_base_tokens + offset for offset, token in enumerate(special_tokens)}
         for role, token in {"bos": bos_token, "eos": eos_token, "unk": unk_token, "pad": pad_token}.items():
             if token is not None and str(token) not in special_ids:
                 raise ValueError(f"{role}_token {str(token)!r} is not one of the special tokens of {vocab_file}.")
@@ -122,7 +119,7 @@ class KimiVLTokenizer(PreTrainedTokenizer):
             name=os.path.basename(vocab_file), pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=special_ids
         )
         self._token_strings = ["".join(BYTE_TO_CHAR[byte] for byte in token) for token in ranks]
-        self._token_strings.extend(special_ids)
+        self._token_strings.extend(special_tokens)
         self._token_ids = {token: token_id for token_id, token in enumerate(self._token_strings)}
         super().__init__(
             bos_token=bos_token,
@@ -137,7 +134,8 @@ class KimiVLTokenizer(PreTrainedTokenizer):
             **kwargs,
         )
 
-    def _named_special_tokens(self, added_tokens_decoder: dict) -> dict[int, str]:
+    def _special_token_strings(self, added_tokens_decoder: dict) -> list[str]:
+        """The string of every reserved special id, in id order: its `added_tokens_decoder` name or the default."""
         first, end = self.num_base_tokens, self.num_base_tokens + self.num_reserved_special_tokens
         named = {int(token_id): _content(token) for token_id, token in added_tokens_decoder.items()}
         outside = sorted(token_id for token_id in named if not first <= token_id < end)
@@ -145,7 +143,16 @@ class KimiVLTokenizer(PreTrainedTokenizer):
             raise ValueError(
                 f"added_tokens_decoder ids {outside} are outside the reserved special range [{first}, {end})."
             )
-        return named
+        tokens = [named.get(token_id, f"<|reserved_token_{token_id}|>") for token_id in range(first, end)]
+        # Each string must name one id: text containing it encodes to that id, and ids map back to it.
+        ids_of = {}
+        for token_id, token in enumerate(tokens, start=first):
+            ids_of.setdefault(token, []).append(token_id)
+        duplicates = {token: ids for token, ids in ids_of.items() if len(ids) > 1}
+        if duplicates:
+            listed = "; ".join(f"{token!r} at ids {ids}" for token, ids in duplicates.items())
+            raise ValueError(f"Special token names must be unique, but these name several ids: {listed}.")
+        return tokens
 
     @property
     def vocab_size(self) -> int:

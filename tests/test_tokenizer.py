@@ -22,6 +22,22 @@ TEXTS = [
 ]
 
 
+# `pat_str` of the released tokenization_moonshot.py, written out here rather than imported from our module, so
+# that the reference encodings below are independent of the code under test.
+MOONSHOT_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
@@ -40,7 +56,11 @@ def reference_encoding(directory, num_reserved) -> tiktoken.Encoding:
         named.get(str(i), {}).get("content", f"<|reserved_token_{i}|>"): i
         for i in range(len(ranks), len(ranks) + num_reserved)
     }
-    return tiktoken.Encoding("reference", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+    return tiktoken.Encoding("reference", pat_str=MOONSHOT_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def test_pre_tokenisation_pattern_is_the_released_one():
+    assert PAT_STR == MOONSHOT_PAT_STR
 
 
 def test_ids_equal_the_original_construction(tiny_dir, tokenizer):
@@ -137,6 +157,20 @@ def test_bad_files_are_explained(tmp_path):
     (tmp_path / "tiktoken.model").write_text("YQ== 0\nYg== 5\n")
     with pytest.raises(ValueError, match="ranks must be the distinct integers 0..1"):
         read_tiktoken_ranks(str(tmp_path / "tiktoken.model"))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({285: "<|im_end|>"}, r"'<\|im_end\|>' at ids \[281, 285\]"),  # two ids named alike
+        ({285: "<|reserved_token_290|>"}, r"'<\|reserved_token_290\|>' at ids \[285, 290\]"),  # a default's name
+    ],
+)
+def test_special_token_names_must_be_unique(tiny_dir, extra, message):
+    named = json.loads((tiny_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    named = {int(token_id): token["content"] for token_id, token in named.items()} | extra
+    with pytest.raises(ValueError, match=rf"Special token names must be unique, .*{message}"):
+        KimiVLTokenizer(str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named)
 
 
 def test_named_tokens_outside_the_reserved_range_are_rejected(tiny_dir):
