@@ -13,6 +13,7 @@ reference checkpoint (1.5 MB of weights): the cost of the imports. Reported: pea
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,9 @@ from image_processing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from modeling_kimi_vl import KimiVLConfig  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_CHECKPOINT = REPO_ROOT.parent / "shared" / "fixtures" / "reference_tiny" / "tiny_ref"
+# As in tests/conftest.py: shared/ beside the checkout unless KIMI_VL_SHARED points elsewhere.
+SHARED_DIR = Path(os.environ.get("KIMI_VL_SHARED", REPO_ROOT.parent / "shared"))
+REFERENCE_CHECKPOINT = SHARED_DIR / "fixtures" / "reference_tiny" / "tiny_ref"
 PREPROCESSOR_CONFIG = {
     "in_token_limit": 4096,
     "pad_input": True,
