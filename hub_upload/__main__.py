@@ -1,6 +1,7 @@
 """Command line: `python -m hub_upload export ...` and `python -m hub_upload push ...` (see --help)."""
 
 import argparse
+import math
 import sys
 import time
 
@@ -8,7 +9,7 @@ from .export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
 from .model_card import ModelCardInfo
 from .push import PushError, check_repo_id, format_size, plan_upload, push_folder
 from .source import ExportInputError
-from .verify import ExportVerificationError
+from .verify import DEFAULT_VERIFY_TIMEOUT_S, ExportVerificationError
 from .weights import parse_size
 
 
@@ -25,12 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SHARD_SIZE,
         help=f"largest weight shard, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})",
     )
-    export.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out folder that is an earlier export or empty"
+    )
     export.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
         help="skip loading the export in a clean interpreter (for models too large for this machine)",
+    )
+    export.add_argument(
+        "--verify-timeout",
+        type=_seconds,
+        default=DEFAULT_VERIFY_TIMEOUT_S,
+        help=f"seconds the clean-interpreter check may take before the export is abandoned "
+        f"(default {DEFAULT_VERIFY_TIMEOUT_S})",
     )
     export.add_argument("--license", default=ModelCardInfo.license, help="license in the model card (default: mit)")
     export.add_argument("--base-model", help="Hub id of the source checkpoint, for the model card")
@@ -52,6 +62,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"invalid time {text!r}: give a positive number of seconds, e.g. 600")
+    return seconds
+
+
 def run_export(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     result = export_checkpoint(
@@ -60,6 +80,7 @@ def run_export(args: argparse.Namespace) -> None:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         verify=args.verify,
+        verify_timeout=args.verify_timeout,
         card=ModelCardInfo(license=args.license, base_model=args.base_model, repo_id=args.repo_id),
     )
     verified = "verified in a clean interpreter" if result.verified else "NOT verified (--no-verify)"

@@ -4,11 +4,17 @@
     write into a temp folder   beside the target: weights re-sharded, configs with our auto_map, flat code, tokenizer
     check_export_folder        the structural checks `push` applies
     verify_export              a fresh interpreter that cannot import our packages loads it through the Auto classes
-    publish                    rename into place (the old target, with --overwrite, is moved aside first)
+    publish                    rename into place; with --overwrite, the old target (an earlier export or an empty
+                               folder, nothing else) is first renamed aside to `.NAME.old-*` and deleted afterwards
 
-Any failure or interrupt before `publish` removes the temp folder and leaves the target as it was.
+Any failure or interrupt (KeyboardInterrupt included) before the new folder is in place removes the temp folder and
+leaves the target as it was. What can stay behind: a process killed outright leaves its `.NAME.partial-*` temp folder,
+and one killed or interrupted inside `publish` can leave the old target in `.NAME.old-*` (whole if the new folder was
+not in place yet, partly deleted if it was). The next export to the same target settles `.NAME.old-*` first: the old
+folder goes back into place if the target is missing, and is deleted otherwise.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -37,7 +43,7 @@ from .source import (
     SourceCheckpoint,
     read_source,
 )
-from .verify import verify_export
+from .verify import DEFAULT_VERIFY_TIMEOUT_S, verify_export
 from .weights import INDEX_NAME, parse_size, plan_shards, read_header, write_shards
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -68,6 +74,7 @@ def export_checkpoint(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     verify: bool = True,
+    verify_timeout: float = DEFAULT_VERIFY_TIMEOUT_S,
     card: ModelCardInfo | None = None,
 ) -> ExportResult:
     source, out = Path(source).resolve(), Path(out).resolve()
@@ -75,6 +82,7 @@ def export_checkpoint(
     max_shard_bytes = parse_size(str(max_shard_size))
     code_files = flat_code_files()
 
+    _settle_interrupted_publish(out)
     problems = _output_problems(source, out, overwrite)
     try:
         checkpoint = read_source(source)
@@ -92,7 +100,7 @@ def export_checkpoint(
         if structural_problems:  # our own writer disagrees with our own checker: a bug, never a user error
             raise RuntimeError("the export is inconsistent:\n" + "\n".join(structural_problems))
         if verify:
-            verify_export(staging)
+            verify_export(staging, timeout=verify_timeout)
         files = sorted(path.name for path in staging.iterdir())
         _publish(staging, out)
     except BaseException:  # KeyboardInterrupt included: never leave a half-written folder behind
@@ -108,6 +116,13 @@ def _output_problems(source: Path, out: Path, overwrite: bool) -> list[str]:
         return [f"--out {out} exists and is not a folder"]
     if out.exists() and not overwrite:
         return [f"--out {out} already exists; pass --overwrite to replace it"]
+    if out.exists() and any(out.iterdir()):
+        not_an_export = check_export_folder(out)
+        if not_an_export:
+            return [
+                f"--out {out} holds files but is not a complete export ({'; '.join(not_an_export[:3])}); --overwrite "
+                "replaces only an earlier export or an empty folder, so it is left alone: choose another --out"
+            ]
     return []
 
 
@@ -146,7 +161,7 @@ def _write_json(path: Path, content: dict) -> None:
 
 def _publish(staging: Path, out: Path) -> None:
     """Move the finished folder to `out`. An existing `out` is renamed aside first and deleted only afterwards, so a
-    failure in between puts it back."""
+    failure in between puts it back (a killed process leaves it aside for `_settle_interrupted_publish`)."""
     if not out.exists():
         os.rename(staging, out)
         return
@@ -158,6 +173,15 @@ def _publish(staging: Path, out: Path) -> None:
         os.rename(aside / out.name, out)
         raise
     shutil.rmtree(aside)
+
+
+def _settle_interrupted_publish(out: Path) -> None:
+    """Finish what a `_publish` into `out` that was killed left behind: each `.NAME.old-*` folder holds the old target,
+    whole if the process died before the new one was in place (then it goes back), partly deleted otherwise."""
+    for aside in sorted(out.parent.glob(glob.escape(f".{out.name}.old-") + "*")):
+        if not out.exists() and (aside / out.name).is_dir():
+            os.rename(aside / out.name, out)
+        shutil.rmtree(aside)
 
 
 def check_export_folder(folder: str | Path) -> list[str]:

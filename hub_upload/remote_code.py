@@ -11,8 +11,8 @@ from pathlib import Path
 # Our packages sit beside this one, in a checkout as in site-packages.
 PACKAGES_ROOT = Path(__file__).resolve().parents[1]
 CODE_PACKAGES = (PACKAGES_ROOT / "modeling_kimi_vl", PACKAGES_ROOT / "image_processing")
-# Modules of those packages that are not needed to load or run the model: entry points and test helpers.
-NOT_SHIPPED = {"__init__.py", "__main__.py", "demo.py", "tiny_tokenizer.py"}
+# Modules of those packages that are not needed to load or run the model: package inits and test helpers.
+NOT_SHIPPED = {"__init__.py", "tiny_tokenizer.py"}
 CHAT_TEMPLATE_FILE = PACKAGES_ROOT / "image_processing" / "chat_template.jinja"
 
 CONFIG_CLASS = "configuration_kimi_vl.KimiVLConfig"

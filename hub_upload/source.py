@@ -98,9 +98,17 @@ def _read_weights(folder: Path, problems: list[str]) -> list[TensorEntry]:
             problems.append(f"{INDEX_NAME} has no weight_map object")
         if not isinstance(weight_map, dict):
             return []
+        if not weight_map:
+            problems.append(f"{INDEX_NAME} lists no tensors (its weight_map is empty)")
+            return []
         return _read_indexed_shards(folder, weight_map, problems)
     if (folder / SINGLE_FILE_NAME).is_file():
-        return list(_read_shard_header(folder / SINGLE_FILE_NAME, problems).values())
+        header = _read_shard_header(folder / SINGLE_FILE_NAME, problems)
+        if header is None:
+            return []
+        if not header:
+            problems.append(f"{SINGLE_FILE_NAME} holds no tensors")
+        return list(header.values())
     problems.append(f"no weights: neither {INDEX_NAME} nor {SINGLE_FILE_NAME} is in the folder")
     return []
 
@@ -118,6 +126,8 @@ def _read_indexed_shards(folder: Path, weight_map: dict, problems: list[str]) ->
             )
             continue
         header = _read_shard_header(path, problems)
+        if header is None:
+            continue
         absent = sorted(names - header.keys(), key=natural_key)
         _list_problems(problems, absent, f"{INDEX_NAME} places {{}} in {file_name}, which does not hold it")
         unlisted = sorted(header.keys() - names, key=natural_key)
@@ -126,12 +136,13 @@ def _read_indexed_shards(folder: Path, weight_map: dict, problems: list[str]) ->
     return tensors
 
 
-def _read_shard_header(path: Path, problems: list[str]) -> dict[str, TensorEntry]:
+def _read_shard_header(path: Path, problems: list[str]) -> dict[str, TensorEntry] | None:
+    """The file's tensors, or None (with the reason added to `problems`) if its header cannot be read."""
     try:
         return read_header(path)
     except (ValueError, KeyError, TypeError) as error:
         problems.append(str(error) if isinstance(error, ValueError) else f"{path.name}: malformed header ({error!r})")
-        return {}
+        return None
 
 
 def _check_config(config: dict, problems: list[str]) -> KimiVLConfig | None:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import hub_upload.export as export_module
+import hub_upload.verify as verify_module
 from hub_upload import (
     ExportInputError,
     ExportVerificationError,
@@ -219,6 +220,44 @@ def test_clean_interpreter_cannot_import_our_packages(tmp_path):
     assert "No module named 'modeling_kimi_vl'" in result.stderr  # ... our editable install is not
 
 
+def test_clean_interpreter_refuses_our_packages_from_a_regular_install(exported, tmp_path, monkeypatch):
+    """After `pip install .` our packages sit in site-packages itself, which the child needs for torch: they must still
+    not be importable there, and the export must still verify."""
+    installed = tmp_path / "site-packages"
+    installed.mkdir()
+    for package in verify_module.OWN_PACKAGES:
+        (installed / package).symlink_to(REPO_ROOT / package, target_is_directory=True)
+    site_packages = [*verify_module.site.getsitepackages(), str(installed)]
+    monkeypatch.setattr(verify_module.site, "getsitepackages", lambda: site_packages)
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import importlib, importlib.machinery, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    # sys.path alone would find the installed copy ...\n"
+        "    print(importlib.machinery.PathFinder.find_spec(name).origin)\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as error:  # ... but the import is refused\n"
+        "        print(error.name)\n"
+    )
+    result = run_isolated(script, *verify_module.OWN_PACKAGES)
+    assert result.returncode == 0, result.stderr
+    expected = [line for name in verify_module.OWN_PACKAGES for line in (str(installed / name / "__init__.py"), name)]
+    assert result.stdout.splitlines() == expected
+    report = json.loads(verify_module.verify_export(exported))
+    assert report["classes"]["model"].startswith("transformers_modules.")
+
+
+def test_verification_that_hangs_is_stopped(source, tmp_path, monkeypatch, capsys):
+    hanging = tmp_path / "hanging.py"
+    hanging.write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setattr(verify_module, "ISOLATED_CHECK_SCRIPT", hanging)
+    out = tmp_path / "out"
+    assert cli_main(["export", "--source", str(source), "--out", str(out), "--verify-timeout", "2"]) == 2
+    assert "did not finish within 2 s and was stopped; nothing was published" in capsys.readouterr().err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
 def test_reexport_is_idempotent(exported, tmp_path):
     again = tmp_path / "again"
     export_checkpoint(exported, again, verify=False)
@@ -300,6 +339,14 @@ BAD_SOURCES = {
         lambda folder: [(folder / name).unlink() for name in ("tiktoken.model", "tokenizer_config.json")],
         ["tiktoken.model is missing", "tokenizer_config.json is missing"],
     ),
+    "index lists no tensors": (
+        lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}})),
+        ["model.safetensors.index.json lists no tensors"],
+    ),
+    "checkpoint without tensors": (
+        lambda folder: save_file({}, folder / "model.safetensors"),
+        ["model.safetensors holds no tensors"],
+    ),
     "truncated shard": (
         lambda folder: (folder / "model.safetensors").write_bytes(
             (folder / "model.safetensors").read_bytes()[:100_000]
@@ -334,16 +381,39 @@ def test_all_problems_in_one_error(source, tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_existing_target_needs_overwrite_which_replaces_it(source, tmp_path):
+def test_overwrite_replaces_only_an_earlier_export_or_an_empty_folder(source, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "stale.txt").write_text("from an earlier export")
+    (out / "notes.txt").write_text("not an export")
     with pytest.raises(ExportInputError, match="already exists; pass --overwrite"):
         export_checkpoint(source, out, verify=False)
-    assert (out / "stale.txt").exists()
+    with pytest.raises(ExportInputError, match="holds files but is not a complete export") as caught:
+        export_checkpoint(source, out, verify=False, overwrite=True)
+    assert "config.json is missing" in str(caught.value) and "replaces only an earlier export" in str(caught.value)
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]
+
+    (out / "notes.txt").unlink()
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert check_export_folder(out) == []
+    (out / "stale.txt").write_text("from an earlier export")  # still a complete export
     export_checkpoint(source, out, verify=False, overwrite=True)
     assert not (out / "stale.txt").exists() and check_export_folder(out) == []
     assert leftovers(tmp_path) == []
+
+
+def test_next_export_settles_what_a_killed_publish_left(exported, source, tmp_path):
+    out = tmp_path / "out"
+    # Killed after the old target was moved aside, before the new one was in place: the old one goes back.
+    shutil.copytree(exported, tmp_path / ".out.old-1" / "out")
+    (tmp_path / ".out.old-1" / "out" / "previous.txt").write_text("previous export")
+    with pytest.raises(ExportInputError, match="already exists; pass --overwrite"):
+        export_checkpoint(source, out, verify=False)
+    assert (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
+    # Killed while deleting the old target, the new one in place: what is left of the old one goes.
+    (tmp_path / ".out.old-2" / "out").mkdir(parents=True)
+    (tmp_path / ".out.old-2" / "out" / "config.json").write_text("{}")
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert not (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
 def test_output_inside_source_is_refused(source, tmp_path):
@@ -355,19 +425,20 @@ def test_output_inside_source_is_refused(source, tmp_path):
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, ExportVerificationError])
-def test_interrupted_or_failed_export_leaves_target_as_it_was(failure, source, tmp_path, monkeypatch):
+def test_interrupted_or_failed_export_leaves_target_as_it_was(failure, exported, source, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
+    shutil.copytree(exported, out)
     (out / "previous.txt").write_text("previous export")
+    previous = sorted(path.name for path in out.iterdir())
 
-    def fail(folder):
+    def fail(folder, timeout):
         assert (folder / "config.json").exists()  # the temp folder was being filled when it failed
         raise failure("interrupted")
 
     monkeypatch.setattr(export_module, "verify_export", fail)
     with pytest.raises(failure):
         export_checkpoint(source, out, overwrite=True)
-    assert [path.name for path in out.iterdir()] == ["previous.txt"]
+    assert sorted(path.name for path in out.iterdir()) == previous
     assert leftovers(tmp_path) == []
 
 
@@ -386,6 +457,9 @@ def test_cli_errors(source, tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
         cli_main(["export", "--source", str(source), "--out", str(tmp_path / "out"), "--max-shard-size", "5 parsecs"])
     assert caught.value.code == 2 and "invalid size '5 parsecs'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["export", "--source", str(source), "--out", str(tmp_path / "out"), "--verify-timeout", "0"])
+    assert caught.value.code == 2 and "invalid time '0'" in capsys.readouterr().err
     assert cli_main(["export", "--source", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     assert cli_main(["push", "--folder", str(source), "--repo-id", "org/name", "--dry-run"]) == 2
@@ -453,9 +527,8 @@ def test_push_dry_run_sends_nothing(exported):
     listed = {line.split()[-1]: line.split()[:2] for line in result.stdout.splitlines()[1:]}
     assert sorted(listed) == [path.name for path in files]
     config_size = (exported / "config.json").stat().st_size
-    assert (
-        listed["config.json"] == [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
-    )
+    expected_size = [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
+    assert listed["config.json"] == expected_size
 
 
 def test_push_refuses_incomplete_exports(exported, source, tmp_path):
