@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import median_seconds, write_result  # noqa: E402
 
 
 def original_pipeline(
@@ -31,7 +30,13 @@ def original_pipeline(
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5),
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The released processor's algorithm, written the obvious way. Raises "Exceed pos emb" like it."""
+    """The released processor's algorithm, written the obvious way. Raises "Exceed pos emb" like it.
+
+    Its padding step, `_torchvision_pad`, is a re-implementation of torchvision's pad semantics (torchvision is
+    not a dependency), written independently from the processor's code path. The fixture outputs of the original
+    code cover RGB and RGBA images only; agreement for other modes (L, P, CMYK, ...) rests on that
+    re-implementation.
+    """
     patches_per_image, grids = [], []
     for image in images:
         image = _original_rescale(image, in_token_limit, pad_input, patch_size, merge_kernel_size)
@@ -72,7 +77,12 @@ def _original_rescale(image, in_token_limit, pad_input, patch_size, merge_kernel
 
 
 def _torchvision_pad(image, pad_right, pad_bottom):
-    """torchvision.transforms.functional.pad(image, (0, 0, right, bottom)) on a PIL image, fill 0."""
+    """torchvision.transforms.functional.pad(image, (0, 0, right, bottom)) on a PIL image, fill 0.
+
+    A re-implementation of torchvision's semantics, not torchvision itself: ImageOps.expand with a zero fill in
+    every band of the image's mode, and for "P" images the palette kept. It is written independently from the
+    processor's padding; the fixtures check it for RGB/RGBA only, other modes rest on this re-implementation.
+    """
     bands = len(image.getbands())
     fill = 0 if bands == 1 else (0,) * bands
     padded = ImageOps.expand(image, border=(0, 0, pad_right, pad_bottom), fill=fill)
@@ -97,16 +107,6 @@ def benchmark_images() -> list[Image.Image]:
     return images
 
 
-def _best_time(function, repeats: int) -> float:
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     from image_processing import KimiVLImageProcessor
 
@@ -121,8 +121,8 @@ def main() -> None:
         raise SystemExit("outputs differ from the original pipeline; not benchmarking")
 
     repeats = int(os.environ.get("BENCH_REPEATS", "7"))
-    baseline_s = _best_time(lambda: original_pipeline(images), repeats)
-    fast_s = _best_time(lambda: processor(images), repeats)
+    baseline_s = median_seconds(lambda: original_pipeline(images), repeats)
+    fast_s = median_seconds(lambda: processor(images), repeats)
     result = {
         "description": "KimiVLImageProcessor vs straightforward PIL+torch pipeline of the original's steps",
         "images": len(images),
@@ -134,6 +134,7 @@ def main() -> None:
         "baseline_images_per_second": round(len(images) / baseline_s, 1),
         "processor_images_per_second": round(len(images) / fast_s, 1),
         "speedup": round(baseline_s / fast_s, 2),
+        "statistic": f"median of {repeats} runs after one warm-up",
         "outputs_identical": identical,
         "pillow": Image.__version__,
     }
