@@ -106,56 +106,50 @@ def validate_grids(grid_hws, num_patches: int, merge_kernel_size) -> None:
 class MoonViTPositionEmbedding(nn.Module):
     """The learned (height, width, dim) position table, resized to each image's patch grid.
 
-    The resize is bicubic with PyTorch's semantics (align_corners=False, no antialias), as in the release. Serving sees
-    the same grids again and again, so resized tables are kept in a small LRU cache, but only when no gradient is
-    being recorded (the cached tensors must not hold a graph, and training must see fresh values). The cache belongs to
-    one version of the weights: loading or editing the table in place (which bumps its version counter) or moving it
-    (new storage) empties it.
+    The release resizes with PyTorch's bicubic interpolation (align_corners=False, no antialias) on every call. That
+    resize is separable: along each axis it is a fixed [new size, old size] matrix of cubic weights (with the border
+    clamping folded in), so `resized = rows_matrix @ table @ cols_matrix^T`. The matrices depend only on the sizes,
+    never on the weights, so they are cached (LRU, `cache_size` entries of at most 511 x 64 floats each) and stay
+    valid through training steps, reloads and in-place edits of the table; gradients flow to the table as usual. The
+    product runs in float32 and is rounded to the table's dtype once.
     """
 
-    def __init__(self, height: int, width: int, dim: int, cache_size: int = 32):
+    def __init__(self, height: int, width: int, dim: int, cache_size: int = 64):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(height, width, dim))
         self.cache_size = cache_size
-        self._resized: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-        self._resized_for_weights: tuple[int, int] | None = None
+        self._matrices: OrderedDict[tuple[int, int, torch.device], torch.Tensor] = OrderedDict()
 
     def forward(self, grid_hws) -> torch.Tensor:
         """Returns the position embedding of every patch, `[sum rows*cols, dim]`, images concatenated."""
-        use_cache = self.cache_size > 0 and not torch.is_grad_enabled()
-        if use_cache:
-            self._drop_cache_if_weights_changed()
-        return torch.cat([self._table_for(rows, cols, use_cache) for rows, cols in grid_hws])
+        return torch.cat([self._table_for(rows, cols) for rows, cols in grid_hws])
 
-    def _table_for(self, rows: int, cols: int, use_cache: bool) -> torch.Tensor:
-        if (rows, cols) == tuple(self.weight.shape[:2]):
+    def _table_for(self, rows: int, cols: int) -> torch.Tensor:
+        height, width, dim = self.weight.shape
+        if (rows, cols) == (height, width):
             return self.weight.flatten(0, 1)
-        if not use_cache:
-            return self._resize(rows, cols)
-        table = self._resized.get((rows, cols))
-        if table is None:
-            table = self._resize(rows, cols)
-            self._resized[(rows, cols)] = table
-            if len(self._resized) > self.cache_size:
-                self._resized.popitem(last=False)
+        rows_matrix = self.interpolation_matrix(rows, height)  # [rows, height]
+        cols_matrix = self.interpolation_matrix(cols, width)  # [cols, width]
+        resized = (rows_matrix @ self.weight.float().reshape(height, width * dim)).view(rows, width, dim)
+        resized = cols_matrix @ resized  # [rows, cols, dim]
+        return resized.to(self.weight.dtype).flatten(0, 1)
+
+    def interpolation_matrix(self, new_size: int, old_size: int) -> torch.Tensor:
+        """`[new_size, old_size]` float32 weights of PyTorch's 1-D bicubic resize (align_corners=False)."""
+        key = (new_size, old_size, self.weight.device)
+        matrix = self._matrices.get(key)
+        if matrix is None:
+            # Resizing an identity image along one axis yields that axis's weights (the other axis keeps its size,
+            # where bicubic weights are exactly one-hot).
+            identity = torch.eye(old_size, device=self.weight.device)[None, None]
+            matrix = F.interpolate(identity, size=(new_size, old_size), mode="bicubic", align_corners=False)[0, 0]
+            if self.cache_size > 0:
+                self._matrices[key] = matrix
+                if len(self._matrices) > self.cache_size:
+                    self._matrices.popitem(last=False)
         else:
-            self._resized.move_to_end((rows, cols))
-        return table
-
-    def _resize(self, rows: int, cols: int) -> torch.Tensor:
-        table = self.weight.permute(2, 0, 1).unsqueeze(0)  # [1, dim, height, width]
-        table = F.interpolate(table, size=(rows, cols), mode="bicubic", align_corners=False)
-        return table.squeeze(0).permute(1, 2, 0).flatten(0, 1)
-
-    def _drop_cache_if_weights_changed(self) -> None:
-        # `_version` counts in-place writes (load_state_dict, optimizer steps); data_ptr changes with `.to()`.
-        weights_id = (self.weight.data_ptr(), self.weight._version)
-        if weights_id != self._resized_for_weights:
-            self._resized.clear()
-            self._resized_for_weights = weights_id
-
-    def clear_cache(self) -> None:
-        self._resized.clear()
+            self._matrices.move_to_end(key)
+        return matrix
 
 
 class MoonViTPatchEmbed(nn.Module):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -281,42 +282,56 @@ def test_vision_blocks_do_not_read_device_tensors_back_to_the_host(reference_mod
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Position-table cache
+# Position-table resize
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_position_cache_is_bounded_exact_and_eval_only(reference_checkpoint):
-    tower = vision_tower_with(reference_checkpoint, "sdpa")
-    pos_emb = tower.patch_embed.pos_emb
-    pos_emb.cache_size = 2
-    grids = [(4, 6), (2, 2), (8, 4), (4, 6)]
-    with torch.no_grad():
-        for rows, cols in grids:
-            cached = pos_emb([(rows, cols)])
-            assert torch.equal(cached, pos_emb._resize(rows, cols))
-    assert len(pos_emb._resized) == 2  # bounded, least recently used dropped
-    assert list(pos_emb._resized) == [(8, 4), (4, 6)]
+def original_resize(table: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The release's resize, called on every forward: 2-D bicubic interpolation of the whole table."""
+    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(rows, cols), mode="bicubic", align_corners=False)
+    return resized[0].permute(1, 2, 0).flatten(0, 1)
 
-    pos_emb.clear_cache()
-    tower.train()
-    table = pos_emb([(4, 6)])  # gradients enabled: never cached, and the table gets its gradient
-    assert not pos_emb._resized
+
+def test_position_resize_equals_bicubic_interpolation(reference_checkpoint):
+    pos_emb = vision_tower_with(reference_checkpoint, "sdpa").patch_embed.pos_emb
+    height, width = pos_emb.weight.shape[:2]
+    with torch.no_grad():
+        for rows, cols in [(4, 6), (2, 2), (12, 6), (6, 6), (40, 2), (6, 10), (100, 300)]:
+            assert_close(pos_emb([(rows, cols)]), original_resize(pos_emb.weight, rows, cols), rtol=1e-6)
+        assert torch.equal(pos_emb([(height, width)]), pos_emb.weight.flatten(0, 1))  # no resize: the table itself
+
+
+def test_position_resize_cache_is_bounded_lru_and_trains(reference_checkpoint):
+    pos_emb = vision_tower_with(reference_checkpoint, "sdpa").patch_embed.pos_emb
+    pos_emb.cache_size = 3
+    with torch.no_grad():
+        pos_emb([(4, 2)])  # cache: 4, 2
+        pos_emb([(8, 4)])  # 8 is new; 4 is a hit and becomes the most recent: 2, 8, 4
+        pos_emb([(10, 2)])  # 10 evicts 2 (least recent), then 2 comes back and evicts 8
+    assert [size for size, _, _ in pos_emb._matrices] == [4, 10, 2]  # first-in-first-out would keep 2, 8, 10
+    assert len(pos_emb._matrices) == pos_emb.cache_size
+
+    pos_emb.train()
+    table = pos_emb([(4, 6)])  # the cached matrices carry no graph; the table gets its gradient
     table.sum().backward()
     assert pos_emb.weight.grad is not None and pos_emb.weight.grad.abs().sum() > 0
 
 
-def test_position_cache_is_invalidated_when_weights_change(reference_checkpoint):
+@pytest.mark.parametrize("write", ["load_state_dict", "data_copy"])
+def test_position_embedding_follows_weight_changes(reference_checkpoint, write):
+    """Nothing derived from the weights is cached, so every way of writing new weights shows at once."""
     model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint).eval()
     pixel_values, grid_hws = random_images([(4, 6)])
+    new_table = model.vision_tower.patch_embed.pos_emb.weight.detach() + 0.5
     with torch.no_grad():
         before = model.vision_tower(pixel_values, grid_hws)
-        assert model.vision_tower.patch_embed.pos_emb._resized  # the resized table is cached now
-        new_state = {key: value + 0.5 for key, value in model.vision_tower.state_dict().items() if "pos_emb" in key}
-        model.vision_tower.load_state_dict(new_state, strict=False)
+        if write == "load_state_dict":
+            model.vision_tower.load_state_dict({"patch_embed.pos_emb.weight": new_table}, strict=False)
+        else:  # bypasses the version counter, as weight-sync code in RL loops does
+            model.vision_tower.patch_embed.pos_emb.weight.data.copy_(new_table)
         after = model.vision_tower(pixel_values, grid_hws)
         fresh = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint).eval()
-        fresh.vision_tower.load_state_dict(new_state, strict=False)
-        fresh.vision_tower.patch_embed.pos_emb.cache_size = 0
+        fresh.vision_tower.load_state_dict({"patch_embed.pos_emb.weight": new_table}, strict=False)
         expected_after = fresh.vision_tower(pixel_values, grid_hws)
     assert not torch.allclose(before, after)
     assert torch.equal(after, expected_after)
