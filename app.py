@@ -3,6 +3,7 @@
     python app.py                        # Kimi-VL-A3B-Instruct if cached or downloadable, else the tiny demo model
     python app.py --model tiny           # the built-in tiny model: random weights, so random answers; no download
     python app.py --model moonshotai/Kimi-VL-A3B-Thinking-2506 --device cuda
+    python app.py --model tiny --ignore-eos  # every answer runs to Stop or the max new tokens setting
 
 The page is served on 127.0.0.1 unless --host says otherwise; a public --share link is opt-in. The model serves one
 generation at a time; other users wait in a bounded queue and see their position.
@@ -20,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -62,12 +62,13 @@ class GenerationSettings:
 
 
 # Moonshot's model cards recommend temperature 0.2 for Instruct and 0.8 for Thinking; a Thinking model writes its
-# reasoning before the answer, so it needs a much larger token budget. The tiny model's answers are random anyway:
+# reasoning before the answer, so it needs a much larger token budget. The tiny model's weights are random, so sampling
+# would only add more randomness: it decodes greedily, which makes its answers (and the demo's tests) reproducible, and
 # a short budget keeps its demo snappy.
 DEFAULT_SETTINGS = {
     "instruct": GenerationSettings(max_new_tokens=1024, temperature=0.2, top_p=0.95),
     "thinking": GenerationSettings(max_new_tokens=4096, temperature=0.8, top_p=0.95),
-    "tiny": GenerationSettings(max_new_tokens=48, temperature=0.8, top_p=0.95),
+    "tiny": GenerationSettings(max_new_tokens=48, temperature=0.0, top_p=0.95),
 }
 
 
@@ -98,14 +99,22 @@ def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
             f"`{path.name}` is {megabytes:.1f} MB; images may be at most {limits.max_image_mb:g} MB each."
         )
     try:
-        # Pillow only warns between MAX_IMAGE_PIXELS and twice that; a decompression bomb must not reach the model.
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            # Only these decoders are tried: any other file, whatever its name, is "not an image".
-            with Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
-                opened.load()
-                return opened.copy()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        # Only these decoders are tried: any other file, whatever its name, is "not an image".
+        with Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
+            # Opening reads only the header. Pillow refuses more than twice MAX_IMAGE_PIXELS itself but only warns
+            # below that; a decompression bomb must not be decoded at all, so the size is checked here, before `load`.
+            # (Turning the warning into an error would need `warnings.catch_warnings`, which is not thread-safe.)
+            pixels = opened.width * opened.height
+            if Image.MAX_IMAGE_PIXELS is not None and pixels > Image.MAX_IMAGE_PIXELS:
+                raise InputError(
+                    f"`{path.name}` is {opened.width}×{opened.height} = {pixels} pixels; images may have at most "
+                    f"{Image.MAX_IMAGE_PIXELS} pixels."
+                )
+            opened.load()
+            return opened.copy()
+    except InputError:  # already says what is wrong; not to be rewrapped as a ValueError below
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         detail = str(error).replace(f" '{path}'", "")  # the upload's temporary path means nothing to the user
         raise InputError(
             f"`{path.name}` could not be read as an image ({detail}). "
@@ -113,12 +122,11 @@ def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
         ) from error
 
 
-def check_images(paths: list[str], limits: InputLimits) -> None:
-    """Raise InputError for too many images in one message or for any image that `load_image` refuses."""
+def load_images(paths: list[str], limits: InputLimits) -> list[Image.Image]:
+    """The decoded images of one message; InputError for too many of them or for any that `load_image` refuses."""
     if len(paths) > limits.max_images:
         raise InputError(f"This message has {len(paths)} images; at most {limits.max_images} are allowed per message.")
-    for path in paths:
-        load_image(path, limits)
+    return [load_image(path, limits) for path in paths]
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
@@ -132,7 +140,8 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The conversation. The history is a list of plain dicts (kept in a gr.State):
-#   {"role": "user", "text": str, "images": [path, ...], "accepted": bool}   accepted=False: refused, never sent
+#   {"role": "user", "text": str, "images": [path, ...], "decoded_images": [PIL image, ...], "accepted": bool}
+#                                                           accepted=False: refused, never sent (and no images kept)
 #   {"role": "assistant", "text": raw model output, "status": "streaming" | "done" | "stopped" | "length" | "failed",
 #    "stats_title": str, "stats": str}
 #   {"role": "notice", "text": str}                                            an error shown in the chat only
@@ -143,11 +152,14 @@ def user_turn(message: dict, limits: InputLimits) -> list[dict]:
     """History entries for one submitted MultimodalTextbox value ({"text": ..., "files": [...]})."""
     text = (message.get("text") or "").strip()
     images = [str(path) for path in message.get("files") or []]
-    turn = {"role": "user", "text": text, "images": images, "accepted": False}
+    turn = {"role": "user", "text": text, "images": images, "decoded_images": [], "accepted": False}
     if not text and not images:
         return [turn, notice("The message is empty: type a question, add an image, or both.")]
     try:
-        check_images(images, limits)
+        # Every later turn sends these images to the model again: the turn keeps them decoded, so that each upload
+        # is read once. They go with the turn (Clear, Regenerate from before it, or the end of the session); their
+        # number is bounded by --max-images per message and by the model's context, which each image's tokens fill.
+        turn["decoded_images"] = load_images(images, limits)
     except InputError as error:
         return [turn, notice(f"{error} The message was not sent; the conversation goes on without it.")]
     turn["accepted"] = True
@@ -170,24 +182,24 @@ def history_for_regenerate(history: list[dict]) -> list[dict]:
     return history + [notice("There is no question to answer again yet.")]
 
 
-def model_conversation(history: list[dict]) -> tuple[list[dict], list[str]]:
-    """The chat-template messages and the image paths (in prompt order) of everything the model has seen or will see.
+def model_conversation(history: list[dict]) -> tuple[list[dict], list[Image.Image]]:
+    """The chat-template messages and the images (in prompt order) of everything the model has seen or will see.
 
     Refused turns and notices are left out. Only the answer of an earlier turn goes back to the model, not its
     reasoning: the reasoning would fill the context and the answer already carries its conclusion.
     """
-    messages, image_paths = [], []
+    messages, images = [], []
     for entry in history:
         if entry["role"] == "user" and entry["accepted"]:
             content = [{"type": "image"} for _ in entry["images"]]
             if entry["text"]:
                 content.append({"type": "text", "text": entry["text"]})
             messages.append({"role": "user", "content": content})
-            image_paths.extend(entry["images"])
+            images.extend(entry["decoded_images"])
         elif entry["role"] == "assistant":
             answer = split_thinking(entry["text"]).answer
             messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    return messages, image_paths
+    return messages, images
 
 
 def chatbot_messages(history: list[dict]) -> list[dict]:
@@ -255,26 +267,36 @@ class ImageInfo:
 
 
 class GenerationMonitor(StoppingCriteria):
-    """Counts and times the new tokens, and stops generation when the user asks.
+    """Counts and times the new tokens, remembers the last one, and stops generation once `stop_requested` is set.
 
     `generate` calls a stopping criterion once per new token, right after choosing it, which makes it the one place
-    that sees every token without decoding anything.
+    that sees every token without decoding anything. The demo generates one sequence at a time (batch size 1).
     """
 
-    def __init__(self):
-        self.stop_requested = threading.Event()
+    def __init__(self, stop_requested: threading.Event):
+        self.stop_requested = stop_requested
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.last_token_id: int | None = None
         self.new_tokens = 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
+        self.last_token_id = int(input_ids[0, -1])
         self.new_tokens += 1
         stop = self.stop_requested.is_set()
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+def answer_status(monitor: GenerationMonitor, end_of_turn_id: int) -> str:
+    """How a generation that did not fail ended: by itself (its last token ends the turn, even when that token was
+    the last one allowed), on Stop, or else at the max new tokens setting."""
+    if monitor.last_token_id == end_of_turn_id:
+        return "done"
+    return "stopped" if monitor.stop_requested.is_set() else "length"
 
 
 def format_stats(
@@ -458,9 +480,13 @@ class PreparedPrompt:
 
 
 class ChatEngine:
-    def __init__(self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits):
+    def __init__(
+        self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits, ignore_eos: bool = False
+    ):
         self.checkpoint = checkpoint
         self.limits = limits
+        # True: the end-of-turn token is never chosen, so every answer runs until Stop or the max new tokens setting.
+        self.ignore_eos = ignore_eos
         log(f"loading the processor from {checkpoint.path}")
         self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
         log(f"loading {checkpoint.name} onto {device} in {dtype}")
@@ -480,8 +506,7 @@ class ChatEngine:
 
     def prepare(self, history: list[dict], max_new_tokens: int) -> PreparedPrompt:
         """Tokenize the whole conversation with its images; InputError if it cannot be answered."""
-        messages, image_paths = model_conversation(history)
-        images = [load_image(path, self.limits) for path in image_paths]
+        messages, images = model_conversation(history)
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         try:
             inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
@@ -521,6 +546,7 @@ class ChatEngine:
                         **prepared.inputs,
                         **sampling,
                         max_new_tokens=settings.max_new_tokens,
+                        min_new_tokens=settings.max_new_tokens if self.ignore_eos else None,
                         eos_token_id=self.end_of_turn_id,
                         pad_token_id=self.pad_token_id,
                         stopping_criteria=StoppingCriteriaList([monitor]),
@@ -565,10 +591,6 @@ def banner_markdown(checkpoint: Checkpoint) -> str:
 
 def build_demo(engine: ChatEngine) -> gr.Blocks:
     defaults = engine.default_settings
-    # The stop button finds the generation of its own browser session here (one generation runs at a time, but any
-    # session may press stop).
-    running_monitors: dict[str, GenerationMonitor] = {}
-
     # While an answer is being written, only Stop stays usable: the history then has one writer at a time.
     def lock_controls(locked: bool, **textbox_changes) -> tuple:
         """Updates for the message box, Regenerate and Clear."""
@@ -579,55 +601,55 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
             gr.update(interactive=usable),
         )
 
+    # Each request for an answer gets its own stop event (a gr.State, so one per browser session), created before the
+    # request joins the queue: Stop then also reaches an answer that is still waiting for its turn.
     def add_message(message: dict, history: list[dict]):
         history = history + user_turn(message, engine.limits)
-        return *lock_controls(True, value=None), history, chatbot_messages(history)
+        return *lock_controls(True, value=None), history, chatbot_messages(history), threading.Event()
 
-    def respond(history: list[dict], max_new_tokens: int, temperature: float, top_p: float, request: gr.Request):
+    def respond(
+        history: list[dict], stop_requested: threading.Event, max_new_tokens: int, temperature: float, top_p: float
+    ):
         if not awaits_answer(history):
+            yield history, chatbot_messages(history)
+            return
+        answer = {"role": "assistant", "text": "", "status": "streaming", "stats_title": "", "stats": ""}
+        if stop_requested.is_set():  # Stop was pressed while this request waited in the queue
+            answer["status"] = "stopped"
+            history.append(answer)
             yield history, chatbot_messages(history)
             return
         settings = GenerationSettings(int(max_new_tokens), float(temperature), float(top_p))
         try:
             prepared = engine.prepare(history, settings.max_new_tokens)
         except InputError as error:
-            history[-1]["accepted"] = False
+            history[-1].update(accepted=False, decoded_images=[])  # a refused turn keeps no images in memory
             history.append(notice(f"{error} The message was not sent; the conversation goes on without it."))
             yield history, chatbot_messages(history)
             return
 
-        answer = {"role": "assistant", "text": "", "status": "streaming", "stats_title": "", "stats": ""}
         history.append(answer)
-        monitor = GenerationMonitor()
-        running_monitors[request.session_hash] = monitor
+        monitor = GenerationMonitor(stop_requested)
         try:
             for text in engine.stream(prepared, settings, monitor):
                 answer["text"] = text
                 yield history, chatbot_messages(history)
-            if monitor.stop_requested.is_set():
-                answer["status"] = "stopped"
-            elif monitor.new_tokens >= settings.max_new_tokens:
-                answer["status"] = "length"
-            else:
-                answer["status"] = "done"
+            answer["status"] = answer_status(monitor, engine.end_of_turn_id)
         except RuntimeError as error:
             answer["status"] = "failed"
             history.append(notice(f"The model failed while answering: {error}. You can try again."))
-        finally:
-            running_monitors.pop(request.session_hash, None)
         answer["stats_title"], answer["stats"] = format_stats(
             prepared.new_images, prepared.prompt_tokens, engine.context_length, monitor
         )
         yield history, chatbot_messages(history)
 
-    def stop(request: gr.Request) -> None:
-        monitor = running_monitors.get(request.session_hash)
-        if monitor is not None:
-            monitor.stop_requested.set()
+    def stop(stop_requested: threading.Event | None) -> None:
+        if stop_requested is not None:  # None: nothing was asked in this session yet
+            stop_requested.set()
 
     def regenerate(history: list[dict]):
         history = history_for_regenerate(history)
-        return *lock_controls(True), history, chatbot_messages(history)
+        return *lock_controls(True), history, chatbot_messages(history), threading.Event()
 
     def clear():
         return [], []
@@ -636,6 +658,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         gr.Markdown("# Kimi-VL\nAsk about one or more images: upload, paste or drag them into the box below.")
         gr.Markdown(banner_markdown(engine.checkpoint), elem_id="model-banner")
         history = gr.State([])
+        stop_requested = gr.State(None)
         chatbot = gr.Chatbot(label="Chat", height=520, elem_id="chat")
         textbox = gr.MultimodalTextbox(
             placeholder="Ask something about your images…",
@@ -663,20 +686,21 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
             # Every generation shares one slot ("model"), so the model serves one at a time and the queue shows the
             # others their position.
             answered = event.then(
-                respond, [history, *settings], [history, chatbot],
+                respond, [history, stop_requested, *settings], [history, chatbot],
                 concurrency_limit=1, concurrency_id="model", api_name=api_name,
             )
             answered.then(lambda: lock_controls(False), None, controls, api_visibility="private")
 
         submitted = textbox.submit(
-            add_message, [textbox, history], [*controls, history, chatbot], queue=False, api_name="add_message"
+            add_message, [textbox, history], [*controls, history, chatbot, stop_requested], queue=False,
+            api_name="add_message",
         )
         then_respond(submitted, api_name="respond")
         regenerated = regenerate_button.click(
-            regenerate, history, [*controls, history, chatbot], queue=False, api_visibility="private"
+            regenerate, history, [*controls, history, chatbot, stop_requested], queue=False, api_visibility="private"
         )
         then_respond(regenerated, api_name="regenerate_respond")
-        stop_button.click(stop, None, None, queue=False, api_name="stop")
+        stop_button.click(stop, stop_requested, None, queue=False, api_name="stop")
         clear_button.click(clear, None, [history, chatbot], queue=False, api_visibility="private")
     return demo
 
@@ -701,6 +725,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
     parser.add_argument("--queue-size", type=int, default=16, help="most requests waiting for the model (default 16)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="never end an answer at the end-of-turn token: every answer runs until Stop or the max new "
+                             "tokens setting (for measuring speed at a fixed length, and for the demo's Stop test)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                         help=f"where the tiny demo checkpoint is built (default {DEFAULT_CACHE_DIR})")
     args = parser.parse_args(argv)
@@ -717,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     checkpoint = resolve_checkpoint(args.model, args.cache_dir)
-    engine = ChatEngine(checkpoint, device, dtype, InputLimits(args.max_images, args.max_image_mb))
+    limits = InputLimits(args.max_images, args.max_image_mb)
+    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos)
     log(f"ready: {checkpoint.name} ({checkpoint.kind}), context {engine.context_length} tokens")
     demo = build_demo(engine)
     demo.queue(max_size=args.queue_size)

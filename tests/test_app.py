@@ -1,6 +1,7 @@
 """The Gradio demo (app.py): its input checks and chat logic as plain functions, then the running app (tiny model, in a
 subprocess on a loopback port) driven through its API with gradio_client."""
 
+import threading
 import time
 
 import huggingface_hub
@@ -56,12 +57,17 @@ def test_file_over_the_size_limit_is_refused(tmp_path):
         app.load_image(path, LIMITS)
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's own, at open; refused after it
 def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "bomb.png"
     Image.new("RGB", (12, 12)).save(path)
     # 144 pixels lies between MAX_IMAGE_PIXELS and twice that, where Pillow itself only warns.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(app.InputError, match="could not be read as an image"):
+    with pytest.raises(app.InputError, match=r"`bomb.png` is 12×12 = 144 pixels; images may have at most 100 pixels"):
+        app.load_image(path, LIMITS)
+    # Beyond twice the limit Pillow refuses to open it at all.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)
+    with pytest.raises(app.InputError, match=r"`bomb.png` could not be read as an image \(Image size \(144 pixels\)"):
         app.load_image(path, LIMITS)
 
 
@@ -72,10 +78,12 @@ def test_unsupported_format_is_refused(tmp_path):
         app.load_image(path, LIMITS)
 
 
-def test_user_turn_accepts_text_and_images(png):
-    assert app.user_turn({"text": " hello ", "files": [png, png]}, LIMITS) == [
-        {"role": "user", "text": "hello", "images": [png, png], "accepted": True}
-    ]
+def test_user_turn_accepts_text_and_images_and_keeps_them_decoded(png):
+    [turn] = app.user_turn({"text": " hello ", "files": [png, png]}, LIMITS)
+    decoded = turn.pop("decoded_images")
+    assert turn == {"role": "user", "text": "hello", "images": [png, png], "accepted": True}
+    assert [image.size for image in decoded] == [(84, 56), (84, 56)]
+    assert decoded[1].getpixel((0, 0)) == (200, 30, 30)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +97,7 @@ def test_user_turn_accepts_text_and_images(png):
 def test_user_turn_refuses_bad_input_with_a_notice(message, expected, png, corrupt_png):
     message["files"] = [{"PNG": png, "CORRUPT": corrupt_png}[name] for name in message["files"]]
     turn, shown_notice = app.user_turn(message, LIMITS)
-    assert turn["accepted"] is False
+    assert turn["accepted"] is False and turn["decoded_images"] == []
     assert shown_notice["role"] == "notice" and expected in shown_notice["text"]
     assert not app.awaits_answer([turn, shown_notice])
 
@@ -107,21 +115,27 @@ def answer(text, status="done"):
     return {"role": "assistant", "text": text, "status": status, "stats_title": "", "stats": ""}
 
 
+def user(text, *names, accepted=True):
+    """A user turn; its decoded images are stand-ins named after the files."""
+    decoded = [f"pixels of {name}" for name in names] if accepted else []
+    return {"role": "user", "text": text, "images": list(names), "decoded_images": decoded, "accepted": accepted}
+
+
 def test_model_conversation_skips_refused_turns_and_earlier_reasoning():
     history = [
-        {"role": "user", "text": "what is this?", "images": ["a.png", "b.png"], "accepted": True},
+        user("what is this?", "a.png", "b.png"),
         answer("◁think▷It looks red.◁/think▷A red square."),
-        {"role": "user", "text": "bad", "images": ["broken.png"], "accepted": False},
+        user("bad", "broken.png", accepted=False),
         app.notice("`broken.png` could not be read as an image"),
-        {"role": "user", "text": "", "images": ["c.png"], "accepted": True},
+        user("", "c.png"),
     ]
-    messages, image_paths = app.model_conversation(history)
+    messages, images = app.model_conversation(history)
     assert messages == [
         {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what is this?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
         {"role": "user", "content": [{"type": "image"}]},
     ]
-    assert image_paths == ["a.png", "b.png", "c.png"]
+    assert images == ["pixels of a.png", "pixels of b.png", "pixels of c.png"]  # decoded once, when they were sent
     assert app.awaits_answer(history)
 
 
@@ -142,11 +156,7 @@ def test_thinking_is_a_collapsible_block_open_while_it_streams():
 
 
 def test_chatbot_shows_accepted_images_and_names_refused_files():
-    history = [
-        {"role": "user", "text": "hi", "images": ["/tmp/x/a.png"], "accepted": True},
-        {"role": "user", "text": "bad", "images": ["/tmp/y/broken.png"], "accepted": False},
-        app.notice("nope"),
-    ]
+    history = [user("hi", "/tmp/x/a.png"), user("bad", "/tmp/y/broken.png", accepted=False), app.notice("nope")]
     assert app.chatbot_messages(history) == [
         {"role": "user", "content": {"path": "/tmp/x/a.png"}},
         {"role": "user", "content": "hi"},
@@ -156,15 +166,14 @@ def test_chatbot_shows_accepted_images_and_names_refused_files():
 
 
 def test_regenerate_goes_back_to_the_last_accepted_question():
-    question = {"role": "user", "text": "q", "images": [], "accepted": True}
-    refused = {"role": "user", "text": "bad", "images": ["x"], "accepted": False}
+    question, refused = user("q"), user("bad", "x", accepted=False)
     assert app.history_for_regenerate([question, answer("a"), refused, app.notice("n")]) == [question]
     nothing = app.history_for_regenerate([refused])
     assert nothing[-1] == app.notice("There is no question to answer again yet.")
 
 
 def test_stats_report_image_grids_and_speed():
-    monitor = app.GenerationMonitor()
+    monitor = app.GenerationMonitor(threading.Event())
     ids = torch.zeros(1, 5, dtype=torch.long)
     for _ in range(11):
         assert monitor(ids, None).tolist() == [False]
@@ -176,6 +185,19 @@ def test_stats_report_image_grids_and_speed():
     assert "11 tokens in 2.50 s; first token after 0.50 s, then 5.0 tokens/s" in body
     monitor.stop_requested.set()
     assert monitor(ids, None).tolist() == [True]
+
+
+def test_answer_status_is_decided_by_the_last_token():
+    end_of_turn = 7
+    monitor = app.GenerationMonitor(threading.Event())
+    monitor(torch.tensor([[1, 2, 3]]), None)
+    assert app.answer_status(monitor, end_of_turn) == "length"  # ended without the end-of-turn token
+    monitor(torch.tensor([[1, 2, 3, end_of_turn]]), None)
+    assert app.answer_status(monitor, end_of_turn) == "done"  # even when it was the last token allowed
+    monitor.stop_requested.set()
+    assert app.answer_status(monitor, end_of_turn) == "done"  # finished before the Stop took effect
+    monitor(torch.tensor([[1, 2, 3, end_of_turn, 4]]), None)
+    assert app.answer_status(monitor, end_of_turn) == "stopped"
 
 
 def test_model_kind_and_default_settings():
@@ -281,12 +303,36 @@ def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrup
     assert "could not be read as an image" in " ".join(texts(chat))  # the earlier notice is still shown
 
 
-def test_one_generation_at_a_time_the_next_user_waits_in_the_queue_and_stop_ends_early(demo_url, png):
-    first, second = Client(demo_url, verbose=False), Client(demo_url, verbose=False)
+@pytest.fixture(scope="module")
+def endless_demo_url(tmp_path_factory):
+    """A demo started with --ignore-eos: an answer ends only on Stop or at the max new tokens setting, never early at
+    an end-of-turn token that the random weights happen to pick."""
+    with running_demo(tmp_path_factory.mktemp("endless"), "--ignore-eos") as url:
+        yield url
+
+
+def stats_titles(chat):
+    return [message["metadata"]["title"] for message in chat if message["metadata"]]
+
+
+def test_an_answer_that_does_not_end_by_itself_is_marked_as_cut(endless_demo_url):
+    client = Client(endless_demo_url, verbose=False)
+    client.predict({"text": "Count.", "files": []}, api_name="/add_message")
+    chat = client.submit(5, 0.0, 1.0, api_name="/respond").result(timeout=120)
+    [answer_text] = plain_answers(chat)
+    assert answer_text.endswith(" *(cut at the max new tokens setting)*")
+    assert answer_text.removesuffix(" *(cut at the max new tokens setting)*").strip(" …")
+    assert stats_titles(chat)[0].startswith("Stats: 5 tokens, ")
+
+
+def test_one_generation_at_a_time_the_next_user_waits_in_the_queue_and_stop_ends_early(endless_demo_url, png):
+    first, second = Client(endless_demo_url, verbose=False), Client(endless_demo_url, verbose=False)
     first.predict({"text": "Tell me a long story.", "files": [handle_file(png)]}, api_name="/add_message")
-    first_job = first.submit(900, 0.0, 1.0, api_name="/respond")  # the tiny model needs seconds for 900 tokens
+    # With --ignore-eos only Stop ends this answer before 900 tokens: 900 forward passes of the model leave the few
+    # local API calls below ample time, whatever the machine, as both run on it.
+    first_job = first.submit(900, 0.0, 1.0, api_name="/respond")
     while not any(plain_answers(update) for update in first_job.outputs()):
-        assert not first_job.done(), "the answer finished before it could be stopped"
+        assert not first_job.done(), first_job.result()
         time.sleep(0.05)
 
     second.predict({"text": "And you?", "files": []}, api_name="/add_message")
@@ -295,13 +341,17 @@ def test_one_generation_at_a_time_the_next_user_waits_in_the_queue_and_stop_ends
         assert not second_job.done()
         time.sleep(0.05)
     assert second_job.status().rank == 0  # next in line, while the first answer is still being written
-    assert not first_job.done()
+    second.predict(api_name="/stop")  # pressed while the second request still waits in the queue
+    assert not first_job.done(), "the first answer reached 900 tokens before it could be stopped"
 
     first.predict(api_name="/stop")
     chat = first_job.result(timeout=120)
     assert plain_answers(chat)[0].endswith("*(stopped)*")
-    stats = [message["metadata"]["title"] for message in chat if message["metadata"]]
-    generated = int(stats[0].split()[1])
+    generated = int(stats_titles(chat)[0].split()[1])
+    print(f"stopped after {generated} of 900 tokens")
     assert 0 < generated < 900
-    second_chat = second_job.result(timeout=120)  # its turn came once the first answer stopped
-    assert texts(second_chat, "user") == ["And you?"] and plain_answers(second_chat)
+
+    second_chat = second_job.result(timeout=120)  # its turn came once the first answer stopped, and it was not lost
+    assert texts(second_chat, "user") == ["And you?"]
+    assert plain_answers(second_chat) == ["… *(stopped)*"]
+    assert stats_titles(second_chat) == []  # nothing was generated for it
