@@ -10,6 +10,7 @@ Data flow of one multimodal forward:
       -> DeepseekV3ForCausalLM          -> logits
 """
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,31 +48,47 @@ MOONVIT_MAX_GRID_SIDE = 512
 
 @dataclass(frozen=True)
 class PackedImages:
-    """Everything the vision tower needs to know about the image boundaries, computed once per forward on the host.
+    """The image boundaries of a packed batch, built once per vision forward from host-side grids.
 
-    Every layer receives this object, so no layer ever reads a device tensor back to the host (the grids are read once,
-    in `from_grid_tensor`).
+    Every layer receives this object, so no layer reads a device tensor back to the host: the grids are read once,
+    by `read_image_grids`.
     """
 
     grid_hws: tuple[tuple[int, int], ...]  # (rows, cols) of patches per image
-    cu_seqlens: torch.Tensor  # int32 [N + 1] on the compute device, for varlen attention kernels
-    max_seqlen: int
-
-    @property
-    def lengths(self) -> list[int]:
-        return [rows * cols for rows, cols in self.grid_hws]
+    lengths: tuple[int, ...]  # patches per image
+    device: torch.device
 
     @classmethod
-    def from_grid_tensor(
-        cls, image_grid_hws: torch.Tensor, num_patches: int, merge_kernel_size, device: torch.device
-    ) -> "PackedImages":
-        if image_grid_hws.ndim != 2 or image_grid_hws.shape[-1] != 2:
-            raise ValueError(f"image_grid_hws must have shape [num_images, 2], got {tuple(image_grid_hws.shape)}.")
-        grid_hws = tuple((int(rows), int(cols)) for rows, cols in image_grid_hws.tolist())
-        validate_grids(grid_hws, num_patches, merge_kernel_size)
-        lengths = [rows * cols for rows, cols in grid_hws]
-        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        return cls(grid_hws=grid_hws, cu_seqlens=cu_seqlens, max_seqlen=max(lengths, default=0))
+    def from_grids(cls, grid_hws, device: torch.device) -> "PackedImages":
+        grid_hws = tuple((rows, cols) for rows, cols in grid_hws)
+        return cls(grid_hws=grid_hws, lengths=tuple(rows * cols for rows, cols in grid_hws), device=device)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths, default=0)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 `[N + 1]` on the compute device, for varlen kernels (made on first use: only flash attention needs
+        it, and then every layer gets the same tensor)."""
+        return torch.tensor([0, *self.lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+
+
+def read_image_grids(pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, config: MoonViTConfig) -> list:
+    """The validated `(rows, cols)` of every image as host ints: the one device->host read of a vision forward."""
+    patch = config.patch_size
+    if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, patch, patch):
+        raise ValueError(
+            f"pixel_values must have shape [num_patches, 3, {patch}, {patch}] (all images' patches, as the processor "
+            f"returns them), got {tuple(pixel_values.shape)}."
+        )
+    if image_grid_hws is None:
+        raise ValueError("pixel_values were given without image_grid_hws; the processor returns both.")
+    if image_grid_hws.ndim != 2 or image_grid_hws.shape[-1] != 2:
+        raise ValueError(f"image_grid_hws must have shape [num_images, 2], got {tuple(image_grid_hws.shape)}.")
+    grid_hws = [(int(rows), int(cols)) for rows, cols in image_grid_hws.tolist()]
+    validate_grids(grid_hws, pixel_values.shape[0], config.merge_kernel_size)
+    return grid_hws
 
 
 def validate_grids(grid_hws, num_patches: int, merge_kernel_size) -> None:
@@ -331,13 +348,14 @@ class MoonViTModel(MoonViTPreTrainedModel):
         return super().maybe_distribute_model(model, distributed_config, *mesh_args)
 
     def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        packed = PackedImages.from_grid_tensor(
-            image_grid_hws, pixel_values.shape[0], self.config.merge_kernel_size, pixel_values.device
-        )
-        return self.encode_packed(pixel_values, packed)
+        return self.encode(pixel_values, read_image_grids(pixel_values, image_grid_hws, self.config))
 
-    def encode_packed(self, pixel_values: torch.Tensor, packed: PackedImages) -> torch.Tensor:
-        """The forward pass after validation; also the entry point for callers that built `packed` themselves."""
+    def encode(self, pixel_values: torch.Tensor, grid_hws) -> torch.Tensor:
+        """The forward pass on validated host-side grids (see `read_image_grids`); no images give `[0, 4, hidden]`."""
+        kernel_rows, kernel_cols = self.config.merge_kernel_size
+        if not grid_hws:
+            return pixel_values.new_zeros((0, kernel_rows * kernel_cols, self.config.hidden_size), dtype=self.dtype)
+        packed = PackedImages.from_grids(grid_hws, pixel_values.device)
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         angles = moonvit_rotary_angles(packed.grid_hws, head_dim, pixel_values.device)
         rotation = torch.polar(torch.ones_like(angles), angles)
@@ -422,18 +440,15 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
 
         This is the seam where a parallel encoder mode plugs in: it only has to return the same tensor.
         """
+        # Validated here, on every rank, before any rank encodes: in data mode, one rank failing alone would leave the
+        # others waiting in the gather.
+        grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config.vision_config)
         if self.config.mm_encoder_tp_mode == "data" and (self.tp_size or 1) > 1:
-            # Validate on every rank before any rank encodes: one failing alone would leave the others in the gather.
-            packed = PackedImages.from_grid_tensor(
-                image_grid_hws, pixel_values.shape[0], self.config.vision_config.merge_kernel_size, pixel_values.device
-            )
-            return encode_images_data_parallel(self.vision_tower, pixel_values, packed.grid_hws)
-        return self.vision_tower(pixel_values, image_grid_hws)
+            return encode_images_data_parallel(self.vision_tower, pixel_values, grid_hws)
+        return self.vision_tower.encode(pixel_values, grid_hws)
 
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
         """Projected image features, ONE tensor `[total image tokens, text hidden]` in image order."""
-        if image_grid_hws is None:
-            raise ValueError("pixel_values were given without image_grid_hws; the processor returns both.")
         merged = self.encode_images(pixel_values, image_grid_hws)
         return self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
 
@@ -460,6 +475,49 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
                 "features; each image needs rows*cols/4 placeholders (the processor expands them)."
             )
         return inputs_embeds.masked_scatter(mask.unsqueeze(-1), image_features.to(inputs_embeds.dtype))
+
+    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
+        """`generate` repeats every batch-major input `expand_size` times (num_return_sequences, num_beams). The
+        images are packed over all prompts instead, so repeating them row by row would interleave patches of
+        different images: repeat each prompt's block of images as a whole."""
+        images = {key: model_kwargs.pop(key) for key in ("pixel_values", "image_grid_hws") if key in model_kwargs}
+        if expand_size > 1 and images.get("pixel_values") is not None:
+            images["pixel_values"], images["image_grid_hws"] = self._repeat_images_per_prompt(
+                input_ids, model_kwargs.get("inputs_embeds"), images["pixel_values"], images["image_grid_hws"],
+                expand_size,
+            )  # fmt: skip
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs
+        )
+        return input_ids, {**model_kwargs, **images}
+
+    def _repeat_images_per_prompt(self, input_ids, inputs_embeds, pixel_values, image_grid_hws, expand_size: int):
+        if image_grid_hws is None:
+            raise ValueError("pixel_values were given without image_grid_hws; the processor returns both.")
+        kernel_rows, kernel_cols = self.config.vision_config.merge_kernel_size
+        grid_hws = image_grid_hws.tolist()
+        tokens_per_image = [rows * cols // (kernel_rows * kernel_cols) for rows, cols in grid_hws]
+        placeholders_per_prompt = self.placeholder_mask(input_ids, inputs_embeds).sum(-1).tolist()
+        # The images belong to the prompts in order: each prompt takes images until its placeholders are filled.
+        images_per_prompt, next_image = [], 0
+        for prompt, placeholders in enumerate(placeholders_per_prompt):
+            first_image, filled = next_image, 0
+            while filled < placeholders and next_image < len(grid_hws):
+                filled += tokens_per_image[next_image]
+                next_image += 1
+            if filled != placeholders:
+                raise ValueError(
+                    f"Prompt {prompt} has {placeholders} image placeholder tokens, but the images in order give it "
+                    f"{filled}; each image needs rows*cols/4 placeholders (the processor expands them)."
+                )
+            images_per_prompt.append(range(first_image, next_image))
+        if next_image != len(grid_hws):
+            raise ValueError(
+                f"{len(grid_hws)} images were given but the prompts' placeholders account for {next_image}."
+            )
+        patches = pixel_values.split([rows * cols for rows, cols in grid_hws])
+        order = [image for images in images_per_prompt for _ in range(expand_size) for image in images]
+        return torch.cat([patches[image] for image in order]), image_grid_hws[order]
 
     def embed_inputs(
         self,
@@ -523,4 +581,5 @@ __all__ = [
     "KimiVLPreTrainedModel",
     "KimiVLForConditionalGeneration",
     "PackedImages",
+    "read_image_grids",
 ]

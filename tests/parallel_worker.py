@@ -65,7 +65,13 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
     """Logits, greedy tokens and merged vision features of every scenario, and the grids this rank's vision tower
     encoded during each scenario's forward."""
     tower_grids = []
-    hook = model.vision_tower.register_forward_hook(lambda module, args, output: tower_grids.append(args[1].tolist()))
+    encode = model.vision_tower.encode
+
+    def recording_encode(pixel_values, grid_hws):
+        tower_grids.append([list(grid) for grid in grid_hws])
+        return encode(pixel_values, grid_hws)
+
+    model.vision_tower.encode = recording_encode  # on this instance only; deleted below
     for name, inputs in scenarios.items():
         tower_grids.clear()
         results[f"{prefix}.{name}.logits"] = model(**inputs).logits
@@ -73,7 +79,7 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
         results[f"{prefix}.{name}.tokens"] = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         if "pixel_values" in inputs:
             results[f"{prefix}.{name}.merged"] = model.encode_images(inputs["pixel_values"], inputs["image_grid_hws"])
-    hook.remove()
+    del model.vision_tower.encode
 
 
 def main():

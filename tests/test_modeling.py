@@ -442,3 +442,37 @@ def test_bad_grids_raise_clear_errors(reference_model, grids, num_patches, messa
 def test_pixel_values_without_grids_is_an_error(reference_model):
     with pytest.raises(ValueError, match="without image_grid_hws"):
         reference_model(input_ids=torch.tensor([[300] * 6]), pixel_values=torch.zeros(24, 3, 14, 14))
+
+
+def test_num_return_sequences_repeats_each_prompts_images(reference_model):
+    """generate() expands the batch for num_return_sequences; the packed images must follow their prompt."""
+    grids_per_prompt = [[(4, 6), (2, 2)], [(6, 4)]]
+    prompts = [prompt_with_images(grids, text_ids=(5 + i, 6, 7)) for i, grids in enumerate(grids_per_prompt)]
+    images = [random_images(grids, seed=i) for i, grids in enumerate(grids_per_prompt)]
+    width = max(map(len, prompts))
+    inputs = dict(
+        input_ids=torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts]),
+        attention_mask=torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]),
+        pixel_values=torch.cat([pixel_values for pixel_values, _ in images]),
+        image_grid_hws=torch.cat([grids for _, grids in images]),
+    )
+    greedy = reference_model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    # Sampling with top_k=1 is greedy, whatever the seed: every returned sequence equals its prompt's greedy one.
+    sampled = reference_model.generate(
+        **inputs, max_new_tokens=5, do_sample=True, top_k=1, num_return_sequences=3, pad_token_id=0
+    )
+    assert torch.equal(sampled, greedy.repeat_interleave(3, dim=0))
+
+
+@torch.no_grad()
+def test_no_images_give_empty_features_as_in_data_parallel_mode(reference_model, expected):
+    pixel_values, grid_hws = torch.zeros(0, 3, 14, 14), torch.zeros(0, 2, dtype=torch.long)
+    assert reference_model.vision_tower(pixel_values, grid_hws).shape == (0, 4, 48)
+    assert reference_model.get_image_features(pixel_values, grid_hws).shape == (0, 64)
+    text_only = reference_model(input_ids=expected["txt_input_ids"], pixel_values=pixel_values, image_grid_hws=grid_hws)
+    assert_close(text_only.logits, expected["txt_logits"])
+
+
+def test_pixel_values_of_the_wrong_shape_are_explained(reference_model):
+    with pytest.raises(ValueError, match=r"must have shape \[num_patches, 3, 14, 14\].*\(24, 588\)"):
+        reference_model.get_image_features(torch.zeros(24, 588), torch.tensor([[4, 6]]))
