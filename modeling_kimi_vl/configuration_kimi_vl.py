@@ -10,6 +10,12 @@ from transformers.models.deepseek_v3 import DeepseekV3Config
 VISION_ENCODER_TP_MODES = ("weight", "data")
 
 
+def check_mm_encoder_tp_mode(mode: str) -> str:
+    if mode not in VISION_ENCODER_TP_MODES:
+        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}.")
+    return mode
+
+
 class MoonViTConfig(PreTrainedConfig):
     r"""
     MoonViT, the native-resolution vision encoder of Kimi-VL.
@@ -56,7 +62,7 @@ class KimiVLConfig(PreTrainedConfig):
     Kimi-VL: `vision_config` is a [`MoonViTConfig`], `text_config` transformers' own [`DeepseekV3Config`].
 
     media_placeholder_token_id (`int`): the `<|media_pad|>` id; each image fills rows*cols/4 of these positions.
-    ignore_index (`int`): label value ignored by the loss.
+    ignore_index (`int`): kept from the released config; the loss ignores label -100 (transformers' convention).
     mm_encoder_tp_mode (`str`): how the vision tower runs under tensor parallelism: `"data"` (replicated, each rank
         encodes a share of the images) or `"weight"` (the tower's linears are sharded like the language model's).
     """
@@ -78,10 +84,7 @@ class KimiVLConfig(PreTrainedConfig):
             sub_config = getattr(self, key)
             if not isinstance(sub_config, PreTrainedConfig):
                 setattr(self, key, config_class(**(sub_config or {})))
-        if self.mm_encoder_tp_mode not in VISION_ENCODER_TP_MODES:
-            raise ValueError(
-                f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}."
-            )
+        check_mm_encoder_tp_mode(self.mm_encoder_tp_mode)
         super().__post_init__(**kwargs)
 
 
@@ -107,4 +110,4 @@ def kimi_vl_a3b_config(**kwargs) -> KimiVLConfig:
     )
 
 
-__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES", "kimi_vl_a3b_config"]
+__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES", "check_mm_encoder_tp_mode", "kimi_vl_a3b_config"]

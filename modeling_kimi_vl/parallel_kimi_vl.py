@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
 
-from .configuration_kimi_vl import VISION_ENCODER_TP_MODES, KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
 
 
 def process_state() -> PartialState:
@@ -51,9 +51,9 @@ class PackedQKVColwiseParallel(PackedColwiseParallel):
 
     def shard_param(self, module, param, mesh):
         meta = module._parameters.get(param)
-        if meta is None:
-            return
-        placement = _StridedShard(dim=0, split_factor=self.split_factor)
+        if meta is None or meta.ndim != 1:
+            return super().shard_param(module, param, mesh)
+        placement = _StridedShard(dim=0, split_factor=self.split_factor)  # the fused bias, laid out like the rows
         module._parameters[param] = nn.Parameter(
             distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
         )
@@ -92,10 +92,8 @@ def kimi_vl_tp_plan(config: KimiVLConfig, nested_plan: dict[str, str]) -> dict[s
     """The whole model's plan, from the plans its nested models brought (`vision_tower.*` from `MOONVIT_TP_PLAN`,
     `language_model.*` from DeepSeek-V3) plus the attention entries DeepSeek-V3 lacks. In data mode the tower's
     entries are dropped: it stays replicated. The projector is always replicated."""
-    mode = config.mm_encoder_tp_mode
-    if mode not in VISION_ENCODER_TP_MODES:
-        # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
-        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported; use one of {VISION_ENCODER_TP_MODES}.")
+    # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
+    mode = check_mm_encoder_tp_mode(config.mm_encoder_tp_mode)
     plan = {
         name: style for name, style in nested_plan.items() if mode == "weight" or not name.startswith("vision_tower.")
     }
