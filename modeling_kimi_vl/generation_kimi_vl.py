@@ -12,14 +12,21 @@ the streamer's prompt) and then hands over to `KimiVLStaticGenerationMixin._stat
 
 A step is one language-model forward over persistent buffers of fixed shape (a `StaticStep`): on CUDA it is captured
 into a CUDA graph the first time it runs and replayed afterwards; elsewhere, or with `cuda_graphs=False`, the very same
-function runs eagerly. All graphs of a model share one memory pool and live as long as the model's weights do.
+function runs eagerly. All graphs of a model share one memory pool. Graphs are not kept forever: workspaces, and the
+prefill steps inside a workspace, are evicted least recently used first (MAX_WORKSPACES, MAX_PREFILL_STEPS), and
+everything is dropped when graphs are switched on or off or when any parameter or buffer of the model is replaced by
+another tensor (`.to()`, `load_state_dict(assign=True)`, quantizing a layer); an evicted step is captured again when
+it is next needed.
 
 Layout of one request inside its workspace (batch bucket B, cache capacity C slots):
 
     cache slot:  0 ........... T-1 | T ............ Lb-1 | Lb ............ C-1
-    prefill:     prompt as given     | filler: written,     |
+    prefill:     prompt as given     | filler: written,     | not read
                  (left padding kept) | output unused        |
     decode:                          | generated token i is written at slot T+i (over the filler)
+
+A prefill step of bucket Lb reads (and masks) only the cache slots [0, Lb): nothing later can be visible to a prompt
+query. A decode step reads all C slots.
 
 Rows past the real batch are dummy prompts. The prompt keeps its own left padding, so every real token sits in the
 same cache slot and has the same rotary position as in plain `generate()`; that is what keeps greedy outputs
@@ -27,19 +34,24 @@ identical. Which cache slots a query may see is derived from one `key_valid [B, 
 query's own slot (causality); a query always sees itself, so no attention row is ever fully masked (an all-masked row
 would give NaN, and 0 * NaN poisons every row that reads it).
 
-Under tensor parallelism all ranks receive identical inputs, so they pick the same buckets and capture (or replay) the
-same graphs in the same order: the sequence of collectives matches across ranks. The vision tower never runs inside
-a capture (under encoder data parallelism, ranks see different images).
+A workspace's buffers are shared by every request that uses it, so static generation requests on one model run one
+at a time: a per-model lock serialises them (concurrent callers wait, they never share buffers).
+
+Under tensor parallelism all ranks receive identical inputs, so they pick the same buckets, evict the same steps and
+capture (or replay) the same graphs in the same order: the sequence of collectives matches across ranks. The vision
+tower never runs inside a capture (under encoder data parallelism, ranks see different images).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import threading
 from collections import OrderedDict
 
 import torch
-from transformers import DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM, GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
@@ -52,9 +64,17 @@ SUPPORTED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 CACHE_SLOT_GRANULE = 256
 # Workspaces (a latent cache each, plus graphs) kept per model.
 MAX_WORKSPACES = 8
+# Prefill steps (one per prompt bucket, each a CUDA graph with its own output) kept per workspace.
+MAX_PREFILL_STEPS = 8
 # transformers 5.24 renamed the language model's cache argument from `past_key_values` to `cache` (the old name warns
 # on every call until 5.40); pass it under the name the installed version takes.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
+GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch build without torch.distributed has no tensor-parallel parameters
+    DTensor = ()
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -79,9 +99,10 @@ def prompt_bucket(length: int) -> int:
 class StaticLatentLayer(CacheLayerMixin):
     """One layer's latent cache: keys `[batch, 1, slots, kv_lora_rank]` (the normalised compressed KV) and values
     `[batch, 1, slots, qk_rope_head_dim]` (the rotated shared key), exactly what transformers' DeepSeek-V3 attention
-    hands to `Cache.update`. New states are written at `write_slots` of the owning cache; the full buffers are returned
-    and the attention mask hides the slots a query must not see. Allocated on the first update, from the states' own
-    shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never inside a capture.
+    hands to `Cache.update`. New states are written at `write_slots` of the owning cache; the leading `read_slots` of
+    the buffers are returned and the attention mask hides those a query must not see. Allocated on the first update, from
+    the states' own shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never
+    inside a capture.
     """
 
     def __init__(self, cache: StaticLatentCache):
@@ -100,10 +121,12 @@ class StaticLatentLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.keys.index_copy_(2, self.cache.write_slots, key_states)
         self.values.index_copy_(2, self.cache.write_slots, value_states)
-        return self.keys, self.values
+        # A Python int fixed per step, so a captured graph holds a view of fixed shape and address.
+        read_slots = self.cache.read_slots
+        return self.keys[:, :, :read_slots], self.values[:, :, :read_slots]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.num_slots, 0
+        return self.cache.read_slots, 0
 
     def get_seq_length(self) -> int:
         # The filled length lives on the device; the model never needs it (positions and masks are always passed).
@@ -114,17 +137,20 @@ class StaticLatentLayer(CacheLayerMixin):
 
 
 class StaticLatentCache(Cache):
-    """A fixed-capacity latent cache whose write positions are a device tensor (`write_slots`), set by the step that
-    runs the model: the prefill step writes a whole prompt bucket, a decode step one slot per row."""
+    """A fixed-capacity latent cache driven by the step that runs the model: `write_slots` (a device tensor) are the
+    slots it writes, `read_slots` (a Python int) how many leading slots attention reads. A prefill step of bucket Lb
+    writes and reads slots [0, Lb); a decode step writes one slot and reads all of them."""
 
     def __init__(self, num_layers: int, num_slots: int):
         self.num_slots = num_slots
         self.write_slots: torch.Tensor | None = None
+        self.read_slots = num_slots
         super().__init__(layers=[StaticLatentLayer(self) for _ in range(num_layers)])
 
 
 def visible_keys_mask(key_valid: torch.Tensor, query_slots: torch.Tensor, attn_implementation: str, dtype):
-    """4-D attention mask `[batch, 1, queries, slots]`: a query sees the valid slots up to its own, and always itself.
+    """4-D attention mask `[batch, 1, queries, slots]` over the slots of `key_valid` (`[batch, slots]`, the leading
+    slots the step reads): a query sees the valid slots up to its own, and always itself.
 
     Built on the device from persistent buffers, so it can sit inside a captured step. `sdpa` takes it as booleans,
     `eager` as an additive float mask.
@@ -178,7 +204,12 @@ class StaticStep:
 
 class GenerationWorkspace:
     """Everything with a fixed address for requests of one batch bucket and one cache capacity: the latent cache,
-    the input buffers of every step, and the steps themselves (one prefill step per prompt bucket, one decode step)."""
+    the input buffers of the steps, and the steps themselves (one decode step, and one prefill step per prompt bucket,
+    at most MAX_PREFILL_STEPS of them, least recently used first out).
+
+    The prefill inputs are one `[batch, slots, ...]` buffer each, which every prompt bucket reads a leading view of,
+    so a new prompt bucket costs a graph, not new input buffers.
+    """
 
     def __init__(self, model, batch_size: int, num_slots: int, graph_pool):
         text_config = model.language_model.config
@@ -189,16 +220,33 @@ class GenerationWorkspace:
         self.graph_pool = graph_pool
         self.cache = StaticLatentCache(text_config.num_hidden_layers, num_slots)
         self.key_valid = torch.zeros(batch_size, num_slots, dtype=torch.bool, device=device)
+        # Prefill inputs: prompt embeddings and rotary positions (the bucket's tail is filler), the cache slot of each
+        # prompt position, and the index of the last prompt token (a 1-D index for `logits_to_keep`).
+        self.prefill_embeds = torch.zeros(
+            batch_size, num_slots, text_config.hidden_size, dtype=model.language_model.dtype, device=device
+        )
+        self.prefill_positions = torch.zeros(batch_size, num_slots, dtype=torch.long, device=device)
+        self.prefill_slots = torch.arange(num_slots, device=device)
+        self.prefill_last_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.prefill_steps: OrderedDict[int, StaticStep] = OrderedDict()
         # Decode inputs: the token fed at each row, its rotary position and its cache slot (shared by all rows).
         self.decode_input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.decode_positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.decode_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.decode_step = StaticStep(self._decode_forward, graph_pool)
-        self.prefill_steps: dict[int, tuple[StaticStep, dict[str, torch.Tensor]]] = {}
 
-    def _run_language_model(self, write_slots, attention_mask, position_ids, logits_index=None, **inputs):
+    def _run_language_model(self, read_slots: int, write_slots, position_ids, logits_index=None, **inputs):
+        self.cache.read_slots = read_slots
         self.cache.write_slots = write_slots
-        outputs = self.model.language_model(
+        language_model = self.model.language_model
+        # A query sits at the slot it writes.
+        attention_mask = visible_keys_mask(
+            self.key_valid[:, :read_slots],
+            write_slots,
+            language_model.config._attn_implementation,
+            language_model.dtype,
+        )
+        outputs = language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{CACHE_ARGUMENT: self.cache},
@@ -209,53 +257,43 @@ class GenerationWorkspace:
         return outputs.logits[:, -1]
 
     def _decode_forward(self) -> torch.Tensor:
-        mask = self._mask(self.decode_slot)
+        # Reads all C slots: every decode step expands the whole latent through kv_b_proj, O(C) per step whatever the
+        # request's length. Future work: the absorbed MLA form (kv_b_proj folded into the query and the output) would
+        # attend over the latent directly and remove that expansion.
         return self._run_language_model(
-            self.decode_slot, mask, self.decode_positions, input_ids=self.decode_input_ids
+            self.num_slots, self.decode_slot, self.decode_positions, input_ids=self.decode_input_ids
         )
 
-    def _mask(self, query_slots: torch.Tensor) -> torch.Tensor:
-        language_model = self.model.language_model
-        return visible_keys_mask(
-            self.key_valid, query_slots, language_model.config._attn_implementation, language_model.dtype
-        )
+    def _prefill_step(self, length: int) -> StaticStep:
+        if length in self.prefill_steps:
+            self.prefill_steps.move_to_end(length)
+            return self.prefill_steps[length]
 
-    def _prefill_step(self, length: int) -> tuple[StaticStep, dict[str, torch.Tensor]]:
-        if length not in self.prefill_steps:
-            device = self.key_valid.device
-            hidden_size = self.model.language_model.config.hidden_size
-            buffers = {
-                "inputs_embeds": torch.zeros(
-                    self.batch_size, length, hidden_size, dtype=self.model.language_model.dtype, device=device
-                ),
-                "position_ids": torch.zeros(self.batch_size, length, dtype=torch.long, device=device),
-                "slots": torch.arange(length, device=device),
-                # The last prompt token (the bucket's tail is filler): a 1-D index for `logits_to_keep`.
-                "last_index": torch.zeros(1, dtype=torch.long, device=device),
-            }
+        def prefill_forward():
+            return self._run_language_model(
+                length,
+                self.prefill_slots[:length],
+                self.prefill_positions[:, :length],
+                logits_index=self.prefill_last_index,
+                inputs_embeds=self.prefill_embeds[:, :length],
+            )
 
-            def prefill_forward():
-                return self._run_language_model(
-                    buffers["slots"],
-                    self._mask(buffers["slots"]),
-                    buffers["position_ids"],
-                    logits_index=buffers["last_index"],
-                    inputs_embeds=buffers["inputs_embeds"],
-                )
-
-            self.prefill_steps[length] = (StaticStep(prefill_forward, self.graph_pool), buffers)
+        self.prefill_steps[length] = StaticStep(prefill_forward, self.graph_pool)
+        if len(self.prefill_steps) > MAX_PREFILL_STEPS:
+            self.prefill_steps.popitem(last=False)
         return self.prefill_steps[length]
 
     def prefill(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
         """Run the prompt (`[batch, T, hidden]`, left-padded, mask and positions as `generate` prepared them) and set
         up the decode buffers. Returns the logits of the last prompt token, `[batch, vocab]`."""
         batch_size, prompt_length = attention_mask.shape
-        step, buffers = self._prefill_step(min(prompt_bucket(prompt_length), self.num_slots))
-        buffers["inputs_embeds"].zero_()
-        buffers["inputs_embeds"][:batch_size, :prompt_length].copy_(inputs_embeds)
-        buffers["position_ids"].zero_()
-        buffers["position_ids"][:batch_size, :prompt_length].copy_(position_ids)
-        buffers["last_index"].fill_(prompt_length - 1)
+        length = min(prompt_bucket(prompt_length), self.num_slots)
+        step = self._prefill_step(length)
+        self.prefill_embeds[:, :length].zero_()
+        self.prefill_embeds[:batch_size, :prompt_length].copy_(inputs_embeds)
+        self.prefill_positions[:, :length].zero_()
+        self.prefill_positions[:batch_size, :prompt_length].copy_(position_ids)
+        self.prefill_last_index.fill_(prompt_length - 1)
         # Prompt slots are valid where the mask says so (dummy rows: nowhere); every later slot will hold a generated
         # token by the time a query can see it.
         self.key_valid[:, :prompt_length] = False
@@ -279,33 +317,46 @@ class GenerationWorkspace:
 
     @property
     def num_graphs(self) -> int:
-        steps = [self.decode_step, *(step for step, _ in self.prefill_steps.values())]
-        return sum(step.captured for step in steps)
+        return sum(step.captured for step in (self.decode_step, *self.prefill_steps.values()))
+
+
+def weights_key(model) -> tuple:
+    """(device, dtype, address) of every parameter and buffer of the model: the memory a captured graph reads. Any
+    tensor replaced (`.to()`, `load_state_dict(assign=True)`, a quantized layer) changes it; values written in place
+    into the same tensors do not (the graphs read the new values)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    # A tensor-parallel parameter is a DTensor, whose memory is its local shard.
+    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors)
+    return tuple((tensor.device, tensor.dtype, tensor.data_ptr()) for tensor in local)
 
 
 class StaticGenerationState:
-    """Per-model registry of workspaces, keyed by (batch bucket, cache slots), and the graph pool they share.
+    """Per-model registry of workspaces, keyed by (batch bucket, cache slots), the graph pool they share, and the lock
+    that makes static generation requests on one model run one at a time (they share the workspaces' buffers).
 
     At most MAX_WORKSPACES are kept, least recently used first out: each holds a whole latent cache, and request
     lengths vary (a server that sets `max_cache_len` uses one capacity for all requests, so one workspace per batch
-    bucket). Graphs hold the addresses of the weights they read, so everything is dropped when the weights move
-    (`.to()`, reloading into new tensors) or when graphs are switched on or off; writing new values into the same
-    tensors keeps the graphs valid.
+    bucket). Graphs hold the addresses of the tensors they read, so everything is dropped when any parameter or buffer
+    of the model is replaced by another tensor (checked at every request, see `weights_key`) or when graphs are
+    switched on or off.
     """
 
     def __init__(self):
+        self.lock = threading.Lock()
         self.workspaces: OrderedDict[tuple[int, int], GenerationWorkspace] = OrderedDict()
         self.graph_pool = None
         self.weights_key = None
 
+    def __deepcopy__(self, memo) -> StaticGenerationState:
+        # A copy of the model has its own weights; the workspaces and graphs here belong to the original.
+        return StaticGenerationState()
+
     def workspace(self, model, batch_size: int, num_slots: int, use_graphs: bool) -> GenerationWorkspace:
-        weights_key = tuple(
-            (parameter.device, parameter.dtype, parameter.data_ptr())
-            for parameter in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-        ) + (use_graphs,)
-        if weights_key != self.weights_key:
+        """The workspace for this request, created if needed. Call with `lock` held."""
+        key_of_weights = (weights_key(model), use_graphs)
+        if key_of_weights != self.weights_key:
             self.clear()
-            self.weights_key = weights_key
+            self.weights_key = key_of_weights
         key = (batch_bucket(batch_size), num_slots)
         if key in self.workspaces:
             self.workspaces.move_to_end(key)
@@ -318,6 +369,7 @@ class StaticGenerationState:
         return self.workspaces[key]
 
     def clear(self) -> None:
+        """Drop all workspaces and graphs. Call with `lock` held."""
         self.workspaces.clear()
         self.graph_pool = None
         self.weights_key = None
@@ -332,22 +384,30 @@ class KimiVLStaticGenerationMixin:
     """Routes `generate(..., cache_implementation="static")` to the static-cache, CUDA-graph decoding loop. Everything
     else goes to transformers' `GenerationMixin.generate` unchanged."""
 
-    def generate(self, inputs=None, generation_config=None, streamer=None, **kwargs):
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        # transformers' own parameters, in its positional order: read them by name without reordering anything.
+        request = GENERATE_SIGNATURE.bind(self, inputs, generation_config, *args, **kwargs)
+        extra_kwargs = request.arguments.get("kwargs", {})
         config = generation_config if generation_config is not None else self.generation_config
-        cache_implementation = kwargs.get("cache_implementation", config.cache_implementation)
-        if cache_implementation != "static" or kwargs.get("custom_generate") is not None:
-            return super().generate(inputs, generation_config, streamer=streamer, **kwargs)
+        cache_implementation = extra_kwargs.get("cache_implementation", config.cache_implementation)
+        if cache_implementation != "static" or request.arguments.get("custom_generate") is not None:
+            return super().generate(inputs, generation_config, *args, **kwargs)
         # `generate` passes a custom loop only the keyword arguments `_sample` does not take, so the streamer is bound
         # here (transformers still feeds it the prompt itself).
-        decoding_loop = functools.partial(type(self)._static_decoding_loop, streamer=streamer)
-        return super().generate(
-            inputs, generation_config, streamer=streamer, custom_generate=decoding_loop, **kwargs
+        request.arguments["custom_generate"] = functools.partial(
+            type(self)._static_decoding_loop, streamer=request.arguments.get("streamer")
         )
+        return super().generate(*request.args[1:], **request.kwargs)
 
     def warm_up_static_generation(self, batch_size: int, prompt_length: int, max_new_tokens: int = 2, **kwargs):
         """Build the workspace (and, on CUDA, capture the prefill and decode graphs) that a text request of this shape
         will use, so the first real request does not pay for it. `kwargs` go to `generate` (e.g. `max_cache_len`,
-        `cuda_graphs`); image requests of the same token length use the same graphs."""
+        `cuda_graphs`); image requests of the same token length use the same graphs.
+
+        Only one workspace is warmed: the one of capacity `prompt_length + max_new_tokens` rounded up to
+        CACHE_SLOT_GRANULE slots, unless `max_cache_len` fixes the capacity. A later request whose length rounds up
+        to another capacity uses (and on first use builds) another workspace, so a server should pass the same
+        `max_cache_len` here and in its requests, and warm up each batch size and prompt length it expects."""
         input_ids = torch.zeros(batch_size, prompt_length, dtype=torch.long, device=self.device)
         self.generate(
             input_ids,
@@ -360,13 +420,15 @@ class KimiVLStaticGenerationMixin:
         )
 
     def clear_static_generation(self) -> None:
-        """Free the static caches, buffers and CUDA graphs kept for `cache_implementation="static"`."""
-        self._static_generation_state().clear()
+        """Free the static caches, buffers and CUDA graphs kept for `cache_implementation="static"` (waits for a
+        static generation request in flight on another thread)."""
+        state = self._static_generation_state()
+        with state.lock:
+            state.clear()
 
     def _static_generation_state(self) -> StaticGenerationState:
-        if "_static_generation" not in self.__dict__:
-            self.__dict__["_static_generation"] = StaticGenerationState()
-        return self.__dict__["_static_generation"]
+        # setdefault: two threads calling generate on a fresh model get the same state (and lock).
+        return self.__dict__.setdefault("_static_generation", StaticGenerationState())
 
     def _cuda_graphs_unavailable_reason(self) -> str | None:
         """Why this model cannot replay its language model from CUDA graphs, or None if it can."""
@@ -423,18 +485,27 @@ class KimiVLStaticGenerationMixin:
             attention_mask = torch.ones_like(input_ids)
         position_ids = position_ids.expand(batch_size, -1)
         num_slots = self._static_cache_slots(prompt_length, generation_config)
-        workspace = self._static_generation_state().workspace(self, batch_size, num_slots, use_graphs)
+        state = self._static_generation_state()
+        with state.lock:  # static requests on one model share the workspaces' buffers: one at a time
+            workspace = state.workspace(self, batch_size, num_slots, use_graphs)
+            inputs_embeds = self.embed_inputs(input_ids, pixel_values=pixel_values, image_grid_hws=image_grid_hws)
+            first_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
+            return self._static_token_loop(
+                workspace, input_ids, first_logits, logits_processor, stopping_criteria, generation_config, streamer
+            )
 
-        inputs_embeds = self.embed_inputs(input_ids, pixel_values=pixel_values, image_grid_hws=image_grid_hws)
-        next_token_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
-
-        # From here on, the same token selection and stopping logic as GenerationMixin._sample.
+    def _static_token_loop(
+        self, workspace, input_ids, next_token_logits, logits_processor, stopping_criteria, generation_config, streamer
+    ):
+        """The same token selection and stopping logic as GenerationMixin._sample, with a decode step per token."""
         pad_token_id = generation_config._pad_token_tensor
+        if pad_token_id is not None:  # `generate` puts it on the inputs' device, which may not be the tokens'
+            pad_token_id = pad_token_id.to(input_ids.device)
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         return_dict = generation_config.return_dict_in_generate
         scores = () if return_dict and generation_config.output_scores else None
         raw_logits = () if return_dict and generation_config.output_logits else None
-        unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+        unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         while True:
             next_token_logits = next_token_logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
             next_token_scores = logits_processor(input_ids, next_token_logits)
@@ -452,7 +523,9 @@ class KimiVLStaticGenerationMixin:
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
             if streamer is not None:
-                streamer.put(next_tokens.cpu())
+                streamer.put(next_tokens.cpu())  # the streamer's own read: it hands tokens to the host
+            # The one host read per step: stopping criteria (end-of-sequence ids, stop strings, a user's criteria)
+            # decide on device values, and the loop must know on the host whether to run another step.
             if unfinished_sequences.max() == 0:
                 break
             next_token_logits = workspace.decode(next_tokens)

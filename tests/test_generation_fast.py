@@ -4,15 +4,18 @@ On CPU the very same steps run eagerly, so these tests pin the bucketed layout, 
 against plain `generate()`. The `test_cuda_*` tests run only where CUDA is available (benchmarks/gpu_check.sh).
 """
 
+import contextlib
+import copy
 import threading
 
 import pytest
 import torch
-from transformers import TextIteratorStreamer
+from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from image_processing import KimiVLTokenizer, write_tiny_tokenizer
 from modeling_kimi_vl import KimiVLForConditionalGeneration
+from modeling_kimi_vl.generation_kimi_vl import StaticLatentLayer
 
 PLACEHOLDER_ID = 300  # <|media_pad|> of the tiny checkpoint
 PAD_ID = 0
@@ -127,15 +130,106 @@ def test_only_the_mla_latent_is_cached_sized_from_the_request(model, expected):
         assert layer.values.shape == (1, 1, 256, text_config.qk_rope_head_dim)
 
 
+def step_identities(workspace) -> dict:
+    """The step objects of a workspace and what they captured (graph and output; None when eager)."""
+    steps = {"decode": workspace.decode_step, **{f"prefill {n}": step for n, step in workspace.prefill_steps.items()}}
+    return {name: (step, step.graph, step.output) for name, step in steps.items()}
+
+
+def same_objects(first: dict, second: dict) -> bool:
+    return first.keys() == second.keys() and all(
+        all(a is b for a, b in zip(first[name], second[name])) for name in first
+    )
+
+
 def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
     request = fixture_request(expected)
     model.warm_up_static_generation(batch_size=1, prompt_length=request["input_ids"].shape[1])
     workspaces = dict(model._static_generation_state().workspaces)
     assert list(workspaces) == [(1, 256)]
+    steps = step_identities(workspaces[1, 256])
+    assert list(steps) == ["decode", "prefill 64"]
     first = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     second = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(first, second)
     assert model._static_generation_state().workspaces == workspaces
+    assert same_objects(step_identities(workspaces[1, 256]), steps), "the warmed-up steps must be reused, not rebuilt"
+
+
+def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, expected, monkeypatch):
+    request = fixture_request(expected)  # 57 tokens: prompt bucket 64; + 40 new -> 256 slots
+    masks, read = [], []
+    attention = model.language_model.model.layers[0].self_attn
+    hook = attention.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
+    )
+    update = StaticLatentLayer.update
+
+    def recording_update(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        read.append((keys.shape[2], values.shape[2]))
+        return keys, values
+
+    monkeypatch.setattr(StaticLatentLayer, "update", recording_update)
+    try:
+        output = model.generate(**request, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                                max_cache_len=256)  # fmt: skip
+    finally:
+        hook.remove()
+    assert torch.equal(output, expected["mm_generated"][:, : 57 + 3])
+    assert masks == [(1, 1, 64, 64), (1, 1, 1, 256), (1, 1, 1, 256)]
+    num_layers = model.config.text_config.num_hidden_layers
+    assert read == [(64, 64)] * num_layers + [(256, 256)] * 2 * num_layers
+
+
+def test_prompt_buckets_share_the_prefill_buffers_and_are_bounded_least_recently_used_first(model, monkeypatch):
+    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MAX_PREFILL_STEPS", 2)
+    settings = dict(max_new_tokens=2, do_sample=False, cache_implementation="static", max_cache_len=256)
+    prompts = {length: torch.arange(20, 20 + length)[None] for length in (20, 40, 100)}  # buckets 32, 64, 128
+
+    def run(length):
+        output = model.generate(prompts[length], **settings)
+        (workspace,) = model._static_generation_state().workspaces.values()
+        return output, workspace
+
+    _, workspace = run(20)
+    embeds, positions = workspace.prefill_embeds, workspace.prefill_positions
+    assert embeds.shape == (1, 256, model.config.text_config.hidden_size) and positions.shape == (1, 256)
+    assert list(run(40)[1].prefill_steps) == [32, 64]
+    assert list(run(20)[1].prefill_steps) == [64, 32]  # reused, now the most recent
+    assert list(run(100)[1].prefill_steps) == [32, 128]  # a third bucket evicts the least recent
+    evicted_again, workspace = run(40)
+    assert list(workspace.prefill_steps) == [128, 64]
+    assert workspace.prefill_embeds is embeds and workspace.prefill_positions is positions
+    plain = model.generate(prompts[40], max_new_tokens=2, do_sample=False)
+    assert torch.equal(evicted_again, plain)
+
+
+def test_replacing_any_weight_tensor_drops_the_workspaces_writing_in_place_keeps_them(model, expected):
+    request = fixture_request(expected)
+    settings = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+
+    def current_workspace():
+        model.generate(**request, **settings)
+        (workspace,) = model._static_generation_state().workspaces.values()
+        return workspace
+
+    first = current_workspace()
+    o_proj = model.language_model.model.layers[1].self_attn.o_proj
+    with torch.no_grad():
+        o_proj.weight.mul_(1)  # new values, same tensor: the graphs read them
+    assert current_workspace() is first
+    # The same values in a new tensor (as load_state_dict(assign=True) or quantizing one layer does): graphs captured
+    # against the old tensor would read freed memory.
+    o_proj.load_state_dict({"weight": o_proj.weight.detach().clone()}, assign=True)
+    second = current_workspace()
+    assert second is not first
+    # A buffer counts too.
+    rotary = model.language_model.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq.clone()
+    assert current_workspace() is not second
+    prompt_length = request["input_ids"].shape[1]
+    assert torch.equal(model.generate(**request, **settings), expected["mm_generated"][:, : prompt_length + 4])
 
 
 def test_workspaces_are_bounded_least_recently_used_first(model, monkeypatch):
@@ -218,6 +312,77 @@ def test_streamer_gets_the_prompt_then_each_token_then_end(model, expected):
     assert torch.cat([chunk.view(-1) for chunk in streamer.chunks[1:]]).tolist() == output[0, -6:].tolist()
 
 
+def test_transformers_positional_parameters_keep_their_places(model, expected):
+    """generate(inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
+    assistant_model, streamer, ...), as in transformers."""
+    request = fixture_request(expected)
+    input_ids = request.pop("input_ids")
+    banned = int(expected["mm_generated"][0, input_ids.shape[1] + 1])  # the second token greedy search would choose
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor([banned])])
+    plain = model.generate(input_ids, None, processors, **request, max_new_tokens=6, do_sample=False)
+    streamer = RecordingStreamer()
+    static = model.generate(input_ids, None, processors, None, None, None, None, streamer, **request,
+                            max_new_tokens=6, do_sample=False, cache_implementation="static")  # fmt: skip
+    assert torch.equal(static, plain)
+    assert banned not in static[0, input_ids.shape[1] :].tolist()
+    assert torch.cat([chunk.view(-1) for chunk in streamer.chunks[1:]]).tolist() == static[0, -6:].tolist()
+
+
+class SignallingStreamer(RecordingStreamer):
+    """Records, and calls `on_token(index)` after each generated token (the prompt is put first, before the loop)."""
+
+    def __init__(self, on_token=None):
+        super().__init__()
+        self.prompt_received = threading.Event()
+        self.on_token = on_token
+
+    def put(self, value):
+        super().put(value)
+        if len(self.chunks) == 1:
+            self.prompt_received.set()
+        elif self.on_token is not None:
+            self.on_token(len(self.chunks) - 2)
+
+
+def test_concurrent_static_requests_on_one_model_run_one_at_a_time(model):
+    """Request B starts while A is between decode steps, in the same workspace (batch bucket 4, 256 slots): B waits
+    for A, and both return exactly what they return alone."""
+    request_a = batched_multi_image_request()
+    request_b = {"input_ids": torch.arange(30, 60).view(3, 10), "attention_mask": torch.ones(3, 10, dtype=torch.long)}
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static")
+    alone_a, alone_b = model.generate(**request_a, **settings), model.generate(**request_b, **settings)
+    lock = model._static_generation_state().lock
+    results, lock_held_in_a = {}, []
+    streamer_b = SignallingStreamer()
+    thread_b = threading.Thread(
+        target=lambda: results.update(b=model.generate(**request_b, **settings, streamer=streamer_b))
+    )
+
+    def on_token_of_a(index):
+        lock_held_in_a.append(lock.locked())
+        if index == 1:  # A has prefilled and decoded once: let B in and wait until it is inside generate()
+            thread_b.start()
+            assert streamer_b.prompt_received.wait(timeout=120), "request B did not start"
+
+    results["a"] = model.generate(**request_a, **settings, streamer=SignallingStreamer(on_token_of_a))
+    thread_b.join(timeout=300)
+    assert not thread_b.is_alive()
+    assert lock_held_in_a == [True] * 8 and not lock.locked()
+    assert torch.equal(results["a"], alone_a)
+    assert torch.equal(results["b"], alone_b)
+
+
+def test_a_copy_of_the_model_starts_without_workspaces(model, expected):
+    request = fixture_request(expected)
+    model.generate(**request, max_new_tokens=2, do_sample=False, cache_implementation="static")
+    duplicate = copy.deepcopy(model)
+    assert duplicate._static_generation_state().workspaces == {}
+    output = duplicate.generate(**request, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    assert torch.equal(output, expected["mm_generated"][:, : request["input_ids"].shape[1] + 4])
+    (workspace,) = duplicate._static_generation_state().workspaces.values()
+    assert workspace.model is duplicate
+
+
 def test_text_iterator_streamer_yields_the_generated_text(model, expected, tmp_path):
     tokenizer = KimiVLTokenizer.from_pretrained(write_tiny_tokenizer(tmp_path))
     request = fixture_request(expected)
@@ -288,22 +453,78 @@ def test_other_cache_implementations_keep_plain_generate(model, expected):
     assert model._static_generation_state().workspaces == {}
 
 
-# Reading a device tensor on the host inside a step would be a sync, which a CUDA graph capture refuses.
+# Reading a device tensor on the host inside a step would be a sync, which a CUDA graph capture refuses: the methods
+# that read values, and the ops whose output shape depends on the values (the host must learn it).
 HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+DATA_DEPENDENT_OPS = ("nonzero", "argwhere", "unique", "unique_consecutive", "masked_select")
+
+
+def is_boolean_mask(index) -> bool:
+    indices = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
 def forbid_host_reads(monkeypatch):
+    def refuse(name):
+        raise AssertionError(f"{name} inside a step")
+
     for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *args, _name=name, **kwargs: refuse(f"Tensor.{_name}()"))
+    for name in DATA_DEPENDENT_OPS:
+        monkeypatch.setattr(torch, name, lambda *args, _name=name, **kwargs: refuse(f"torch.{_name}()"))
+        monkeypatch.setattr(torch.Tensor, name, lambda *args, _name=name, **kwargs: refuse(f"Tensor.{_name}()"))
+    where, getitem, setitem = torch.where, torch.Tensor.__getitem__, torch.Tensor.__setitem__
 
-        def guarded(self, *args, _name=name, **kwargs):
-            raise AssertionError(f"Tensor.{_name}() inside a step")
+    def guarded_where(condition, *args, **kwargs):
+        if not args and not kwargs:
+            refuse("torch.where(condition)")  # the one-argument form is nonzero
+        return where(condition, *args, **kwargs)
 
-        monkeypatch.setattr(torch.Tensor, name, guarded)
+    def guarded_getitem(self, index):
+        if is_boolean_mask(index):
+            refuse("boolean-mask indexing")
+        return getitem(self, index)
+
+    def guarded_setitem(self, index, value):
+        if is_boolean_mask(index):
+            refuse("boolean-mask assignment")
+        return setitem(self, index, value)
+
+    monkeypatch.setattr(torch, "where", guarded_where)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", guarded_getitem)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", guarded_setitem)
+
+
+@pytest.mark.parametrize(
+    "host_read",
+    [
+        lambda x: x.sum().item(),
+        lambda x: torch.nonzero(x),
+        lambda x: x.nonzero(),
+        lambda x: torch.argwhere(x),
+        lambda x: torch.unique(x),
+        lambda x: x.unique(),
+        lambda x: torch.masked_select(x, x > 0),
+        lambda x: torch.where(x > 0),
+        lambda x: x[x > 0],
+        lambda x: x.__setitem__(x > 0, 0.0),
+        lambda x: int(x[0]),
+    ],
+)
+def test_the_host_read_guard_catches_each_form(monkeypatch, host_read):
+    x = torch.randn(6)
+    host_read(x)  # fine outside the guard
+    with monkeypatch.context() as patched:
+        forbid_host_reads(patched)
+        torch.where(x > 0, x, 0.0)  # what a step may do: shapes that do not depend on the values
+        x[torch.tensor([0, 2])], x[1:3]
+        with pytest.raises(AssertionError, match="inside a step"):
+            host_read(x)
 
 
 def steps_of(model):
     (workspace,) = model._static_generation_state().workspaces.values()
-    return [step for step, _ in workspace.prefill_steps.values()] + [workspace.decode_step]
+    return [*workspace.prefill_steps.values(), workspace.decode_step]
 
 
 def test_steps_never_read_device_tensors_back_to_the_host(model, expected, monkeypatch):
@@ -331,6 +552,16 @@ def test_eager_experts_read_the_host_so_they_cannot_be_captured(reference_checkp
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def synchronizing_is_an_error():
+    """Every CUDA operation that would make the host wait for the device raises inside this block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @requires_cuda
 @pytest.mark.parametrize(
     ("dtype", "experts_implementation"), [(torch.float32, "batched_mm"), (torch.bfloat16, "grouped_mm")]
@@ -346,6 +577,13 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
     assert workspace.num_graphs == 2  # one prefill bucket, one decode step
     replayed = model.generate(**request, **settings, cuda_graphs=True)
     assert workspace.num_graphs == 2, "the second call must replay, not capture again"
+    steps = [*workspace.prefill_steps.values(), workspace.decode_step]
+    outputs = [step.output for step in steps]
+    with synchronizing_is_an_error():
+        for step in steps:
+            step()  # a replay: no host read, no sync
+    torch.cuda.synchronize()
+    assert all(step.output is output for step, output in zip(steps, outputs)), "a replay reuses the captured output"
     eager = model.generate(**request, **settings, cuda_graphs=False)
     assert torch.equal(graphs, replayed)
     assert torch.equal(graphs, eager)
