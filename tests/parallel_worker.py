@@ -6,7 +6,8 @@ model loaded tensor-parallel across all ranks, and writes both to `<out>/rank<r>
 compares them; this script asserts nothing itself so that every difference is reported, not just the first.
 
 Scenarios: "two_images" (the fixture's prompt), "one_image" (fewer images than ranks), "three_images" (very different
-sizes), "text_only" (the fixture's text batch).
+sizes), "text_only" (the fixture's text batch). For STATIC_SCENARIOS the greedy tokens of
+`generate(cache_implementation="static")` are recorded too.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from modeling_kimi_vl import KimiVLForConditionalGeneration
 
 PLACEHOLDER_ID = 300
 NEW_TOKENS = 8
+STATIC_SCENARIOS = ("two_images", "text_only")
 
 
 def image_prompt(grids: list[tuple[int, int]], generator: torch.Generator) -> torch.Tensor:
@@ -77,6 +79,10 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
         results[f"{prefix}.{name}.logits"] = model(**inputs).logits
         report[f"{prefix}.{name}.tower_grids"] = list(tower_grids)
         results[f"{prefix}.{name}.tokens"] = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        if name in STATIC_SCENARIOS:
+            results[f"{prefix}.{name}.static_tokens"] = model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
+            )
         if "pixel_values" in inputs:
             results[f"{prefix}.{name}.merged"] = model.encode_images(inputs["pixel_values"], inputs["image_grid_hws"])
     del model.vision_tower.encode

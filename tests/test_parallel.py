@@ -26,6 +26,7 @@ WORLD_SIZE = 2
 WORKER_TIMEOUT_S = 300  # the worker takes ~15 s on 2 cores; a hung collective fails the test instead of blocking CI
 SCENARIOS = ["two_images", "one_image", "three_images", "text_only"]
 IMAGE_SCENARIOS = [name for name in SCENARIOS if name != "text_only"]
+STATIC_SCENARIOS = ["two_images", "text_only"]  # those the worker also runs with cache_implementation="static"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -232,6 +233,20 @@ def test_data_mode_matches_single_process(rank_results, rank, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_weight_mode_matches_single_process(rank_results, rank, scenario):
     assert_matches_single_process(rank_results[rank], "even.single", "even.weight", scenario)
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+@pytest.mark.parametrize("scenario", STATIC_SCENARIOS)
+@pytest.mark.parametrize(
+    ("single", "parallel"), [("reference.single", "reference.data"), ("even.single", "even.weight")]
+)
+def test_static_generation_under_tensor_parallelism_equals_single_process_plain_generate(
+    rank_results, rank, scenario, single, parallel
+):
+    results = rank_results[rank]
+    plain = results[f"{single}.{scenario}.tokens"]
+    assert torch.equal(results[f"{parallel}.{scenario}.static_tokens"], plain)
+    assert torch.equal(results[f"{single}.{scenario}.static_tokens"], plain)
 
 
 def test_single_process_reference_matches_the_fixture(rank_results, expected):
