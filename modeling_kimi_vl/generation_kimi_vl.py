@@ -100,8 +100,8 @@ class StaticLatentLayer(CacheLayerMixin):
     """One layer's latent cache: keys `[batch, 1, slots, kv_lora_rank]` (the normalised compressed KV) and values
     `[batch, 1, slots, qk_rope_head_dim]` (the rotated shared key), exactly what transformers' DeepSeek-V3 attention
     hands to `Cache.update`. New states are written at `write_slots` of the owning cache; the leading `read_slots` of
-    the buffers are returned and the attention mask hides those a query must not see. Allocated on the first update, from
-    the states' own shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never
+    the buffers are returned and the attention mask hides those a query must not see. Allocated on the first update,
+    from the states' own shapes (so a tensor-parallel shard sizes itself), which always happens in an eager run, never
     inside a capture.
     """
 
