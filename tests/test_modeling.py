@@ -301,20 +301,31 @@ def test_position_resize_equals_bicubic_interpolation(reference_checkpoint):
         assert torch.equal(pos_emb([(height, width)]), pos_emb.weight.flatten(0, 1))  # no resize: the table itself
 
 
-def test_position_resize_cache_is_bounded_lru_and_trains(reference_checkpoint):
+def test_position_resize_matrices_are_cached_and_serve_training_after_inference(reference_checkpoint):
+    from modeling_kimi_vl.modeling_kimi_vl import bicubic_resize_matrix
+
     pos_emb = vision_tower_with(reference_checkpoint, "sdpa").patch_embed.pos_emb
-    pos_emb.cache_size = 3
-    with torch.no_grad():
-        pos_emb([(4, 2)])  # cache: 4, 2
-        pos_emb([(8, 4)])  # 8 is new; 4 is a hit and becomes the most recent: 2, 8, 4
-        pos_emb([(10, 2)])  # 10 evicts 2 (least recent), then 2 comes back and evicts 8
-    assert [size for size, _, _ in pos_emb._matrices] == [4, 10, 2]  # first-in-first-out would keep 2, 8, 10
-    assert len(pos_emb._matrices) == pos_emb.cache_size
+    bicubic_resize_matrix.cache_clear()
+    with torch.inference_mode():  # e.g. a serving pipeline or an eval loop builds the matrices first
+        inference_table = pos_emb([(4, 10)])
+    assert bicubic_resize_matrix.cache_info().currsize == 2  # one per axis
+    assert bicubic_resize_matrix.cache_info().maxsize is not None  # bounded
 
     pos_emb.train()
-    table = pos_emb([(4, 6)])  # the cached matrices carry no graph; the table gets its gradient
+    table = pos_emb([(4, 10)])  # the same cached matrices, now in a training step
+    assert bicubic_resize_matrix.cache_info().hits == 2
     table.sum().backward()
     assert pos_emb.weight.grad is not None and pos_emb.weight.grad.abs().sum() > 0
+    assert torch.equal(table.detach(), inference_table)
+
+
+def test_position_resize_runs_in_float32_under_autocast(reference_checkpoint):
+    pos_emb = vision_tower_with(reference_checkpoint, "sdpa").patch_embed.pos_emb
+    with torch.no_grad():
+        plain = pos_emb([(12, 6)])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = pos_emb([(12, 6)])
+    assert torch.equal(autocast, plain)
 
 
 @pytest.mark.parametrize("write", ["load_state_dict", "data_copy"])
@@ -476,3 +487,26 @@ def test_no_images_give_empty_features_as_in_data_parallel_mode(reference_model,
 def test_pixel_values_of_the_wrong_shape_are_explained(reference_model):
     with pytest.raises(ValueError, match=r"must have shape \[num_patches, 3, 14, 14\].*\(24, 588\)"):
         reference_model.get_image_features(torch.zeros(24, 588), torch.tensor([[4, 6]]))
+
+
+def test_num_return_sequences_with_inputs_embeds_repeats_images_too(reference_model):
+    grids = [(4, 6)]
+    pixel_values, grid_hws = random_images(grids)
+    input_ids = torch.tensor([prompt_with_images(grids)])
+    settings = dict(max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=2, pad_token_id=0)
+    via_ids = reference_model.generate(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings)
+    inputs_embeds = reference_model.get_input_embeddings()(input_ids)
+    via_embeds = reference_model.generate(
+        inputs_embeds=inputs_embeds, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings
+    )
+    assert torch.equal(via_embeds, via_ids[:, input_ids.shape[1] :])  # with embeddings, generate returns new tokens
+
+
+def test_expanded_generation_validates_the_grids(reference_model):
+    pixel_values, _ = random_images([(4, 6)])
+    input_ids = torch.tensor([prompt_with_images([(4, 6)])])
+    with pytest.raises(ValueError, match="24 patches but image_grid_hws describes 16"):
+        reference_model.generate(
+            input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=torch.tensor([[4, 4]]),
+            max_new_tokens=2, do_sample=True, num_return_sequences=2, pad_token_id=0,
+        )  # fmt: skip
