@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -87,31 +88,11 @@ class InputLimits:
     max_image_mb: float  # per image file
 
 
-def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
-    """Open and fully decode one uploaded image, or raise InputError saying what is wrong and what is allowed."""
-    path = Path(path)
+@contextmanager
+def image_errors(path: Path) -> Iterator[None]:
+    """Turn Pillow's errors for one upload into an InputError naming the file and the supported formats."""
     try:
-        megabytes = path.stat().st_size / 2**20
-    except OSError as error:  # e.g. an upload that the server's temporary folder no longer holds
-        raise InputError(f"`{path.name}` could not be read ({error.strerror}); please attach it again.") from error
-    if megabytes > limits.max_image_mb:
-        raise InputError(
-            f"`{path.name}` is {megabytes:.1f} MB; images may be at most {limits.max_image_mb:g} MB each."
-        )
-    try:
-        # Only these decoders are tried: any other file, whatever its name, is "not an image".
-        with Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
-            # Opening reads only the header. Pillow refuses more than twice MAX_IMAGE_PIXELS itself but only warns
-            # below that; a decompression bomb must not be decoded at all, so the size is checked here, before `load`.
-            # (Turning the warning into an error would need `warnings.catch_warnings`, which is not thread-safe.)
-            pixels = opened.width * opened.height
-            if Image.MAX_IMAGE_PIXELS is not None and pixels > Image.MAX_IMAGE_PIXELS:
-                raise InputError(
-                    f"`{path.name}` is {opened.width}×{opened.height} = {pixels} pixels; images may have at most "
-                    f"{Image.MAX_IMAGE_PIXELS} pixels."
-                )
-            opened.load()
-            return opened.copy()
+        yield
     except InputError:  # already says what is wrong; not to be rewrapped as a ValueError below
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
@@ -122,11 +103,48 @@ def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
         ) from error
 
 
-def load_images(paths: list[str], limits: InputLimits) -> list[Image.Image]:
-    """The decoded images of one message; InputError for too many of them or for any that `load_image` refuses."""
+def check_image(path: str | Path, limits: InputLimits) -> None:
+    """Cheap checks of one upload, without decoding its pixels: file size, a supported format, the pixel count, and
+    the file's own integrity checks where the format has them (PNG's checksums). InputError says what is wrong."""
+    path = Path(path)
+    try:
+        megabytes = path.stat().st_size / 2**20
+    except OSError as error:  # e.g. an upload that the server's temporary folder no longer holds
+        raise InputError(f"`{path.name}` could not be read ({error.strerror}); please attach it again.") from error
+    if megabytes > limits.max_image_mb:
+        raise InputError(
+            f"`{path.name}` is {megabytes:.1f} MB; images may be at most {limits.max_image_mb:g} MB each."
+        )
+    with image_errors(path):
+        # Only these decoders are tried: any other file, whatever its name, is "not an image".
+        with Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
+            # Opening reads only the header. Pillow refuses more than twice MAX_IMAGE_PIXELS itself but only warns
+            # below that; a decompression bomb must not be decoded at all, so the size is checked here, first.
+            # (Turning the warning into an error would need `warnings.catch_warnings`, which is not thread-safe.)
+            pixels = opened.width * opened.height
+            if Image.MAX_IMAGE_PIXELS is not None and pixels > Image.MAX_IMAGE_PIXELS:
+                raise InputError(
+                    f"`{path.name}` is {opened.width}×{opened.height} = {pixels} pixels; images may have at most "
+                    f"{Image.MAX_IMAGE_PIXELS} pixels."
+                )
+            opened.verify()
+
+
+def check_images(paths: list[str], limits: InputLimits) -> None:
+    """InputError for too many images in one message or for any image that `check_image` refuses."""
     if len(paths) > limits.max_images:
         raise InputError(f"This message has {len(paths)} images; at most {limits.max_images} are allowed per message.")
-    return [load_image(path, limits) for path in paths]
+    for path in paths:
+        check_image(path, limits)
+
+
+def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
+    """Check, then fully decode one image; InputError if either fails (a truncated JPEG passes the checks)."""
+    check_image(path, limits)
+    path = Path(path)
+    with image_errors(path), Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
+        opened.load()
+        return opened.copy()
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
@@ -140,8 +158,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The conversation. The history is a list of plain dicts (kept in a gr.State):
-#   {"role": "user", "text": str, "images": [path, ...], "decoded_images": [PIL image, ...], "accepted": bool}
-#                                                           accepted=False: refused, never sent (and no images kept)
+#   {"role": "user", "text": str, "images": [path, ...], "accepted": bool}   accepted=False: refused, never sent
 #   {"role": "assistant", "text": raw model output, "status": "streaming" | "done" | "stopped" | "length" | "failed",
 #    "stats_title": str, "stats": str}
 #   {"role": "notice", "text": str}                                            an error shown in the chat only
@@ -152,14 +169,13 @@ def user_turn(message: dict, limits: InputLimits) -> list[dict]:
     """History entries for one submitted MultimodalTextbox value ({"text": ..., "files": [...]})."""
     text = (message.get("text") or "").strip()
     images = [str(path) for path in message.get("files") or []]
-    turn = {"role": "user", "text": text, "images": images, "decoded_images": [], "accepted": False}
+    turn = {"role": "user", "text": text, "images": images, "accepted": False}
     if not text and not images:
         return [turn, notice("The message is empty: type a question, add an image, or both.")]
     try:
-        # Every later turn sends these images to the model again: the turn keeps them decoded, so that each upload
-        # is read once. They go with the turn (Clear, Regenerate from before it, or the end of the session); their
-        # number is bounded by --max-images per message and by the model's context, which each image's tokens fill.
-        turn["decoded_images"] = load_images(images, limits)
+        # Only checked here, not decoded: this runs outside the queue, and the session state (kept for an hour after
+        # the tab closes) holds paths, not pixels. `ChatEngine.prepare` decodes the images, one generation at a time.
+        check_images(images, limits)
     except InputError as error:
         return [turn, notice(f"{error} The message was not sent; the conversation goes on without it.")]
     turn["accepted"] = True
@@ -182,24 +198,24 @@ def history_for_regenerate(history: list[dict]) -> list[dict]:
     return history + [notice("There is no question to answer again yet.")]
 
 
-def model_conversation(history: list[dict]) -> tuple[list[dict], list[Image.Image]]:
-    """The chat-template messages and the images (in prompt order) of everything the model has seen or will see.
+def model_conversation(history: list[dict]) -> tuple[list[dict], list[str]]:
+    """The chat-template messages and the image paths (in prompt order) of everything the model has seen or will see.
 
     Refused turns and notices are left out. Only the answer of an earlier turn goes back to the model, not its
     reasoning: the reasoning would fill the context and the answer already carries its conclusion.
     """
-    messages, images = [], []
+    messages, image_paths = [], []
     for entry in history:
         if entry["role"] == "user" and entry["accepted"]:
             content = [{"type": "image"} for _ in entry["images"]]
             if entry["text"]:
                 content.append({"type": "text", "text": entry["text"]})
             messages.append({"role": "user", "content": content})
-            images.extend(entry["decoded_images"])
+            image_paths.extend(entry["images"])
         elif entry["role"] == "assistant":
             answer = split_thinking(entry["text"]).answer
             messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    return messages, images
+    return messages, image_paths
 
 
 def chatbot_messages(history: list[dict]) -> list[dict]:
@@ -505,8 +521,13 @@ class ChatEngine:
         return DEFAULT_SETTINGS[self.checkpoint.kind]
 
     def prepare(self, history: list[dict], max_new_tokens: int) -> PreparedPrompt:
-        """Tokenize the whole conversation with its images; InputError if it cannot be answered."""
-        messages, images = model_conversation(history)
+        """Decode the conversation's images and tokenize it with them; InputError if it cannot be answered.
+
+        Runs in the queued handler, one generation at a time; the decoded images live only as long as this call, and
+        the prompt keeps the processor's pixel values, which it has downsized to the model's token budget per image.
+        """
+        messages, image_paths = model_conversation(history)
+        images = [load_image(path, self.limits) for path in image_paths]
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         try:
             inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
@@ -623,7 +644,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         try:
             prepared = engine.prepare(history, settings.max_new_tokens)
         except InputError as error:
-            history[-1].update(accepted=False, decoded_images=[])  # a refused turn keeps no images in memory
+            history[-1]["accepted"] = False
             history.append(notice(f"{error} The message was not sent; the conversation goes on without it."))
             yield history, chatbot_messages(history)
             return

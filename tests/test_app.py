@@ -1,6 +1,7 @@
 """The Gradio demo (app.py): its input checks and chat logic as plain functions, then the running app (tiny model, in a
 subprocess on a loopback port) driven through its API with gradio_client."""
 
+import io
 import threading
 import time
 
@@ -23,6 +24,19 @@ def png(tmp_path):
     path = tmp_path / "photo.png"
     Image.new("RGB", (84, 56), (200, 30, 30)).save(path)
     return str(path)
+
+
+def truncated(path, format):
+    """An image file cut in half: its header (size, format) still reads, its pixel data does not."""
+    buffer = io.BytesIO()
+    Image.effect_noise((64, 64), 50).convert("RGB").save(buffer, format)
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    return str(path)
+
+
+@pytest.fixture
+def truncated_jpeg(tmp_path):
+    return truncated(tmp_path / "cut.jpg", "JPEG")
 
 
 @pytest.fixture
@@ -78,12 +92,20 @@ def test_unsupported_format_is_refused(tmp_path):
         app.load_image(path, LIMITS)
 
 
-def test_user_turn_accepts_text_and_images_and_keeps_them_decoded(png):
+def test_checks_read_headers_and_checksums_and_only_decoding_finds_a_truncated_jpeg(tmp_path, truncated_jpeg):
+    # PNG carries checksums, which the cheap check verifies without decoding; a cut PNG is refused at once.
+    with pytest.raises(app.InputError, match=r"`cut.png` could not be read as an image \(Truncated File Read\)"):
+        app.check_image(truncated(tmp_path / "cut.png", "PNG"), LIMITS)
+    # JPEG has none: its cut is found when the image is decoded for the model, and refused there the same way.
+    app.check_image(truncated_jpeg, LIMITS)
+    with pytest.raises(app.InputError, match=r"`cut.jpg` could not be read as an image \(image file is truncated"):
+        app.load_image(truncated_jpeg, LIMITS)
+
+
+def test_user_turn_keeps_only_the_paths_of_accepted_images(png):
+    # The history lives in the session state for an hour after the tab closes: paths only, never decoded pixels.
     [turn] = app.user_turn({"text": " hello ", "files": [png, png]}, LIMITS)
-    decoded = turn.pop("decoded_images")
     assert turn == {"role": "user", "text": "hello", "images": [png, png], "accepted": True}
-    assert [image.size for image in decoded] == [(84, 56), (84, 56)]
-    assert decoded[1].getpixel((0, 0)) == (200, 30, 30)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +119,7 @@ def test_user_turn_accepts_text_and_images_and_keeps_them_decoded(png):
 def test_user_turn_refuses_bad_input_with_a_notice(message, expected, png, corrupt_png):
     message["files"] = [{"PNG": png, "CORRUPT": corrupt_png}[name] for name in message["files"]]
     turn, shown_notice = app.user_turn(message, LIMITS)
-    assert turn["accepted"] is False and turn["decoded_images"] == []
+    assert turn["accepted"] is False
     assert shown_notice["role"] == "notice" and expected in shown_notice["text"]
     assert not app.awaits_answer([turn, shown_notice])
 
@@ -116,9 +138,7 @@ def answer(text, status="done"):
 
 
 def user(text, *names, accepted=True):
-    """A user turn; its decoded images are stand-ins named after the files."""
-    decoded = [f"pixels of {name}" for name in names] if accepted else []
-    return {"role": "user", "text": text, "images": list(names), "decoded_images": decoded, "accepted": accepted}
+    return {"role": "user", "text": text, "images": list(names), "accepted": accepted}
 
 
 def test_model_conversation_skips_refused_turns_and_earlier_reasoning():
@@ -135,7 +155,7 @@ def test_model_conversation_skips_refused_turns_and_earlier_reasoning():
         {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
         {"role": "user", "content": [{"type": "image"}]},
     ]
-    assert images == ["pixels of a.png", "pixels of b.png", "pixels of c.png"]  # decoded once, when they were sent
+    assert images == ["a.png", "b.png", "c.png"]
     assert app.awaits_answer(history)
 
 
@@ -288,10 +308,14 @@ def test_image_and_prompt_give_a_streamed_answer(demo_url, png):
     assert stats[0]["metadata"]["title"].endswith("tokens/s; image 4×6 → 6 tokens")
 
 
-def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrupt_png):
+def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrupt_png, truncated_jpeg):
     client = Client(demo_url, verbose=False)
     _, chat = send(client, "and this one?", corrupt_png)
     assert "`broken.png` could not be read as an image" in texts(chat)[-1]
+    assert plain_answers(chat) == []
+
+    _, chat = send(client, "and this?", truncated_jpeg)  # passes the checks; refused when decoded for the model
+    assert "`cut.jpg` could not be read as an image (image file is truncated" in texts(chat)[-1]
     assert plain_answers(chat) == []
 
     _, chat = send(client, "word " * 1200)  # over the tiny model's 1024-token context
