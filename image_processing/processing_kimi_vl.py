@@ -80,6 +80,8 @@ class KimiVLProcessor(ProcessorMixin):
         placeholder_counts = [sample.count(IMAGE_PLACEHOLDER) for sample in texts]
         if _is_per_prompt(images):
             _check_images_per_prompt(placeholder_counts, images)
+            if sum(placeholder_counts) == 0:  # matched per prompt, so no prompt has images (e.g. `[[], []]`)
+                images = None
         placeholder_count = sum(placeholder_counts)
         image_inputs = {}
         if images is not None:

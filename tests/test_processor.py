@@ -128,6 +128,11 @@ def test_images_given_per_prompt_must_match_each_prompt(processor):
     flat = processor(text=["no image", IMAGE + IMAGE], images=[first, second], return_tensors="pt")
     assert torch.equal(per_prompt["input_ids"], flat["input_ids"])
     assert torch.equal(per_prompt["pixel_values"], flat["pixel_values"])
+    # A batch of text-only prompts, given per prompt as a batching server does, is a batch without images.
+    text_only = processor(text=["no image", "nor here"], images=[[], []], return_tensors="pt")
+    plain = processor(text=["no image", "nor here"], return_tensors="pt")
+    assert text_only.keys() == plain.keys() == {"input_ids", "attention_mask"}
+    assert torch.equal(text_only["input_ids"], plain["input_ids"])
     # A flat list is matched to the placeholders in order across prompts.
     across = processor(text=[IMAGE, IMAGE], images=[first, second], return_tensors="pt")
     assert [row.count(processor.image_token_id) for row in across["input_ids"].tolist()] == [1, 2]
