@@ -221,7 +221,9 @@ class GenerationWorkspace:
         self.cache = StaticLatentCache(text_config.num_hidden_layers, num_slots)
         self.key_valid = torch.zeros(batch_size, num_slots, dtype=torch.bool, device=device)
         # Prefill inputs: prompt embeddings and rotary positions (the bucket's tail is filler), the cache slot of each
-        # prompt position, and the index of the last prompt token (a 1-D index for `logits_to_keep`).
+        # prompt position, and the index of the last prompt token (a 1-D index for `logits_to_keep`). Sized for the
+        # longest prompt the cache can take, every bucket reading a prefix: batch x slots x hidden, on top of the
+        # latent cache's batch x slots x (kv_lora_rank + rope dim) per layer.
         self.prefill_embeds = torch.zeros(
             batch_size, num_slots, text_config.hidden_size, dtype=model.language_model.dtype, device=device
         )
@@ -350,6 +352,10 @@ class StaticGenerationState:
     def __deepcopy__(self, memo) -> StaticGenerationState:
         # A copy of the model has its own weights; the workspaces and graphs here belong to the original.
         return StaticGenerationState()
+
+    def __reduce__(self):
+        # Likewise for a pickled model (torch.save(model)): it starts without workspaces, graphs or a held lock.
+        return (StaticGenerationState, ())
 
     def workspace(self, model, batch_size: int, num_slots: int, use_graphs: bool) -> GenerationWorkspace:
         """The workspace for this request, created if needed. Call with `lock` held."""

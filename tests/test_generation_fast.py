@@ -602,3 +602,20 @@ def test_cuda_eager_experts_cannot_be_captured(reference_checkpoint, expected):
     # Left to choose, the model falls back to the same steps without graphs.
     output = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(output.cpu(), expected["mm_generated"])
+
+
+def test_a_model_pickles_after_static_generation(reference_model, expected):
+    """torch.save(model) after static generation: the copy starts without workspaces, graphs or a held lock."""
+    import copy
+    import pickle
+
+    reference_model.generate(
+        input_ids=expected["txt_input_ids"][:1], max_new_tokens=2, do_sample=False, cache_implementation="static"
+    )
+    restored = pickle.loads(pickle.dumps(reference_model))
+    assert restored._static_generation_state().workspaces == {}
+    assert copy.deepcopy(reference_model)._static_generation_state().workspaces == {}
+    generated = restored.generate(
+        input_ids=expected["txt_input_ids"][:1], max_new_tokens=2, do_sample=False, cache_implementation="static"
+    )
+    assert generated.shape == (1, expected["txt_input_ids"].shape[1] + 2)
