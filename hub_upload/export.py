@@ -5,20 +5,27 @@
     check_export_folder        the structural checks `push` applies
     verify_export              a fresh interpreter that cannot import our packages loads it through the Auto classes
     publish                    rename into place; with --overwrite, the old target (an earlier export or an empty
-                               folder, nothing else) is first renamed aside to `.NAME.old-*` and deleted afterwards
+                               folder, nothing else) is first moved into an aside folder
+                               `.NAME.kimi-vl-export-old-XXXXXXXX` (8 random hex digits) and deleted afterwards
 
 Any failure or interrupt (KeyboardInterrupt included) before the new folder is in place removes the temp folder and
 leaves the target as it was. What can stay behind: a process killed outright leaves its `.NAME.partial-*` temp folder,
-and one killed or interrupted inside `publish` can leave the old target in `.NAME.old-*` (whole if the new folder was
-not in place yet, partly deleted if it was). The next export to the same target settles `.NAME.old-*` first: the old
-folder goes back into place if the target is missing, and is deleted otherwise.
+and one killed or interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was
+not in place yet, partly deleted if it was). The next export to the same target settles aside folders of exactly that
+name form first, and touches no other folder: if the target exists, the aside folder was already replaced and is
+deleted; if the target is missing, the old folder goes back into place when it is a complete export (as
+`check_export_folder` says), and is otherwise left where it is, named in a warning (until a later export, with the
+target then in place, deletes it as above).
 """
 
 import glob
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +54,7 @@ from .verify import DEFAULT_VERIFY_TIMEOUT_S, verify_export
 from .weights import INDEX_NAME, parse_size, plan_shards, read_header, write_shards
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+ASIDE_SUFFIX_BYTES = 4  # random hex suffix of the folder an overwritten target is moved into: 8 digits
 MODEL_CARD_NAME = "README.md"
 REQUIRED_EXPORT_FILES = (
     CONFIG_NAME,
@@ -165,7 +173,8 @@ def _publish(staging: Path, out: Path) -> None:
     if not out.exists():
         os.rename(staging, out)
         return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    aside = out.parent / f"{_aside_prefix(out)}{secrets.token_hex(ASIDE_SUFFIX_BYTES)}"
+    aside.mkdir()  # a name taken already (by a 1 in 4 billion chance) fails here, before anything moved
     os.rename(out, aside / out.name)
     try:
         os.rename(staging, out)
@@ -175,12 +184,36 @@ def _publish(staging: Path, out: Path) -> None:
     shutil.rmtree(aside)
 
 
+def _aside_prefix(out: Path) -> str:
+    return f".{out.name}.kimi-vl-export-old-"
+
+
 def _settle_interrupted_publish(out: Path) -> None:
-    """Finish what a `_publish` into `out` that was killed left behind: each `.NAME.old-*` folder holds the old target,
-    whole if the process died before the new one was in place (then it goes back), partly deleted otherwise."""
-    for aside in sorted(out.parent.glob(glob.escape(f".{out.name}.old-") + "*")):
-        if not out.exists() and (aside / out.name).is_dir():
-            os.rename(aside / out.name, out)
+    """Finish what a `_publish` into `out` that was killed left behind, in aside folders named exactly as `_publish`
+    names them (any other folder, whatever its name, is left alone).
+
+    Such a folder holds the old target: whole if the process died before the new one was in place, partly deleted
+    if it died while deleting it. With `out` in place, the aside folder had been replaced and is deleted. With `out`
+    missing, its old folder goes back into place if it is a complete export; if not, nothing is moved or deleted and a
+    warning names the folder (a later export, with `out` then in place, deletes it as above).
+    """
+    aside_name = re.compile(re.escape(_aside_prefix(out)) + f"[0-9a-f]{{{2 * ASIDE_SUFFIX_BYTES}}}")
+    for aside in sorted(out.parent.glob(glob.escape(_aside_prefix(out)) + "*")):
+        if not aside_name.fullmatch(aside.name) or not aside.is_dir() or aside.is_symlink():
+            continue
+        if out.exists():
+            shutil.rmtree(aside)
+            continue
+        problems = check_export_folder(aside / out.name)
+        if problems:
+            warnings.warn(
+                f"{aside} is left by an interrupted export into {out} but does not hold a complete export "
+                f"({'; '.join(problems[:3])}), so it was not put back and is left as it is; move out what you need "
+                f"before the next export into {out}, which deletes it once {out} exists",
+                stacklevel=3,
+            )
+            continue
+        os.rename(aside / out.name, out)
         shutil.rmtree(aside)
 
 

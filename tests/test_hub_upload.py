@@ -3,9 +3,11 @@ provide our code, and publish it to a local stand-in for the Hub."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -404,16 +406,52 @@ def test_overwrite_replaces_only_an_earlier_export_or_an_empty_folder(source, tm
 def test_next_export_settles_what_a_killed_publish_left(exported, source, tmp_path):
     out = tmp_path / "out"
     # Killed after the old target was moved aside, before the new one was in place: the old one goes back.
-    shutil.copytree(exported, tmp_path / ".out.old-1" / "out")
-    (tmp_path / ".out.old-1" / "out" / "previous.txt").write_text("previous export")
+    shutil.copytree(exported, tmp_path / ".out.kimi-vl-export-old-0123abcd" / "out")
+    (tmp_path / ".out.kimi-vl-export-old-0123abcd" / "out" / "previous.txt").write_text("previous export")
     with pytest.raises(ExportInputError, match="already exists; pass --overwrite"):
         export_checkpoint(source, out, verify=False)
     assert (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
     # Killed while deleting the old target, the new one in place: what is left of the old one goes.
-    (tmp_path / ".out.old-2" / "out").mkdir(parents=True)
-    (tmp_path / ".out.old-2" / "out" / "config.json").write_text("{}")
+    (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out").mkdir(parents=True)
+    (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out" / "config.json").write_text("{}")
     export_checkpoint(source, out, verify=False, overwrite=True)
     assert not (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
+
+
+def test_publish_names_its_aside_folder_as_the_settling_expects(exported, source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(exported, out)
+    # Killed just before deleting the replaced target: its aside folder stays, in the one name form that is settled.
+    monkeypatch.setattr(export_module.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    [aside] = leftovers(tmp_path)
+    assert re.fullmatch(r"\.out\.kimi-vl-export-old-[0-9a-f]{8}", aside)
+    monkeypatch.undo()
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
+def test_an_aside_folder_that_is_not_a_complete_export_is_not_put_back(exported, source, tmp_path):
+    out, aside = tmp_path / "out", tmp_path / ".out.kimi-vl-export-old-0123abcd"
+    shutil.copytree(exported, aside / "out")
+    (aside / "out" / "config.json").unlink()
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(aside))} is left by an interrupted export .*\(config.json is missing\)"):
+        export_checkpoint(source, out, verify=False)
+    assert check_export_folder(out) == []  # a new export; the incomplete old one stays where it was
+    assert leftovers(tmp_path) == [aside.name] and (aside / "out" / "model.safetensors.index.json").is_file()
+
+
+def test_folders_named_like_but_not_as_the_export_names_its_aside_folders_are_left_alone(exported, source, tmp_path):
+    out = tmp_path / "out"
+    names = [".out.old-backup", ".out.kimi-vl-export-old-backup", ".out.kimi-vl-export-old-0123abcd9"]
+    for name in names:  # each holds a complete export, which the settling would put back if it were one of its own
+        shutil.copytree(exported, tmp_path / name / "out")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and none of them is even named in a warning
+        export_checkpoint(source, out, verify=False)
+        export_checkpoint(source, out, verify=False, overwrite=True)
+    assert leftovers(tmp_path) == sorted(names)
+    assert all(check_export_folder(tmp_path / name / "out") == [] for name in names)
 
 
 def test_output_inside_source_is_refused(source, tmp_path):
