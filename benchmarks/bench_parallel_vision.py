@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import DistributedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_GRIDS, median_seconds, write_result  # noqa: E402
+from common import MIXED_GRIDS, median_seconds, print_timings, write_result  # noqa: E402
 
 from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
 from modeling_kimi_vl.parallel_kimi_vl import assign_images_to_ranks, encode_images_data_parallel  # noqa: E402
@@ -103,9 +103,7 @@ def main() -> None:
         ]
         print(f"MoonViT width 1152, {args.layers} blocks, {len(MIXED_GRIDS)} images, {pixel_values.shape[0]} patches "
               f"(per rank in data mode: {patches_per_rank}), {device.type}")  # fmt: skip
-        print(f"{'variant':32s} {'seconds':>9s} {'vs 1 process':>13s}")
-        for name, seconds in rows:
-            print(f"{name:32s} {seconds:9.4f} {single_seconds / seconds:12.2f}x")
+        print_timings(rows, baseline=rows[0][0])
         path = write_result(
             f"bench_parallel_vision_{device.type}_{world_size}proc",
             {

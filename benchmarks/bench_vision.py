@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_GRIDS, median_seconds, write_result  # noqa: E402
+from common import MIXED_GRIDS, median_seconds, print_timings, write_result  # noqa: E402
 
 from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
 
@@ -76,9 +76,7 @@ def main() -> None:
     ]
     print(f"MoonViT width 1152, {args.layers} blocks, {len(MIXED_GRIDS)} images, {pixel_values.shape[0]} patches, "
           f"{args.device} {args.dtype}")  # fmt: skip
-    print(f"{'variant':40s} {'seconds':>9s} {'vs packed':>10s}")
-    for name, seconds in rows:
-        print(f"{name:40s} {seconds:9.4f} {seconds / packed_seconds:9.2f}x")
+    print_timings(rows, baseline="packed")
 
     path = write_result(
         f"bench_vision_{args.device}",

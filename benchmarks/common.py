@@ -56,3 +56,12 @@ def write_result(name: str, result: dict) -> Path:
     payload = {"benchmark": name, "machine": machine_description(), **result}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def print_timings(rows: list[tuple[str, float]], baseline: str) -> None:
+    """A table of (variant, seconds) with each variant's speed relative to the `baseline` variant (>1: faster)."""
+    baseline_seconds = dict(rows)[baseline]
+    width = max(len(name) for name, _ in rows) + 2
+    print(f"{'variant':{width}s} {'seconds':>9s}  speed vs {baseline}")
+    for name, seconds in rows:
+        print(f"{name:{width}s} {seconds:9.4f}  {baseline_seconds / seconds:.2f}x")
