@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -257,3 +258,11 @@ def test_processor_refuses_sanitizing_where_transformers_cannot_do_it(processor,
         processor.apply_chat_template(messages, tokenize=True, sanitize_control_tokens=True)
     with pytest.raises(NotImplementedError, match="sanitize_control_tokens=True needs"):
         processor(text="hi", sanitize_control_tokens=True)
+
+
+def test_input_data_format_reaches_the_image_processor(processor):
+    hwc = torch.from_numpy(np.asarray(Image.new("RGB", (56, 4), "red")).copy())  # (4, 56, 3): either layout fits
+    with pytest.raises(ValueError, match=r"pass input_data_format='channels_first' or 'channels_last'"):
+        processor(text=IMAGE, images=hwc)
+    inputs = processor(text=IMAGE, images=hwc, input_data_format="channels_last")
+    assert inputs["image_grid_hws"].tolist() == [[2, 4]]  # 4 x 56 pixels, padded to 28 x 56
