@@ -31,7 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 
 from image_processing import KimiVLProcessor, split_thinking
 from modeling_kimi_vl import KimiVLForConditionalGeneration
-from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
+from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl, write_tiny_checkpoint
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
 TINY_MODEL = "tiny"
@@ -377,7 +377,8 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
     if model == TINY_MODEL:
         return Checkpoint(ensure_tiny_checkpoint(cache_dir), "tiny demo model", "tiny")
     if Path(model).is_dir():
-        return Checkpoint(Path(model), Path(model).name, model_kind(Path(model).name))
+        folder = Path(model)  # e.g. `make tiny`'s folder: the tiny model's settings, not the real one's
+        return Checkpoint(folder, folder.name, "tiny" if is_tiny_kimi_vl(folder) else model_kind(folder.name))
 
     from huggingface_hub import snapshot_download
 

@@ -101,6 +101,26 @@ def _write_contents(folder: Path) -> None:
         path.chmod(0o644)
 
 
+# What tells the tiny architecture apart from the real one (hidden 2048, vocab 163840, 27 vision blocks, ...).
+_ARCHITECTURE_KEYS = {"text_config": ("hidden_size", "num_hidden_layers", "vocab_size"),
+                      "vision_config": ("hidden_size", "num_hidden_layers")}
+
+
+def is_tiny_kimi_vl(folder: str | Path) -> bool:
+    """Whether `folder` holds a model of the tiny architecture: this writer's folder, or one saved after fine-tuning it
+    (the demo gives such a model its short answers and its "random weights" banner)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    reference = json.loads((REFERENCE_CHECKPOINT / "config.json").read_text())
+    return isinstance(config, dict) and all(
+        isinstance(config.get(part), dict) and config[part].get(key) == reference[part][key]
+        for part, keys in _ARCHITECTURE_KEYS.items()
+        for key in keys
+    )
+
+
 def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
