@@ -31,6 +31,7 @@ from hub_upload.weights import natural_key  # noqa: E402
 from modeling_kimi_vl import KimiVLConfig  # noqa: E402
 from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 # What the wide checkpoint takes over from the tiny folder unchanged.
 TOKENIZER_AND_PROCESSOR_FILES = (
     "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
