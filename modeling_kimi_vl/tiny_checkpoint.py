@@ -28,7 +28,7 @@ from image_processing import KimiVLImageProcessor, KimiVLTokenizer, write_tiny_t
 
 REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_tiny" / "tiny_ref"
 WEIGHTS_NAME = "model.safetensors"
-TINY_CONTEXT = 1024
+TINY_CONTEXT = 1024  # positions: a short chat with a few images
 # An image of up to 256 patches becomes at most 64 tokens (+ merge padding), so a few images fit the tiny context.
 TINY_IN_TOKEN_LIMIT = 256
 
@@ -81,7 +81,7 @@ def _write_contents(folder: Path) -> None:
     )
     config["pad_token_id"] = tokenizer.pad_token_id
     if config["media_placeholder_token_id"] != tokenizer.convert_tokens_to_ids("<|media_pad|>"):
-        raise AssertionError("the tiny tokenizer's <|media_pad|> is not the fixture's placeholder id")
+        raise RuntimeError("the tiny tokenizer's <|media_pad|> is not the fixture's placeholder id")
     _write_json(folder / "config.json", config)
 
     # As on the hub: the processor class named in the image processor's config (AutoProcessor reads it there).
