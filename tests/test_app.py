@@ -6,6 +6,7 @@ import io
 import threading
 import time
 
+import httpx
 import huggingface_hub
 import pytest
 import torch
@@ -363,8 +364,14 @@ def test_offline_default_model_falls_back_to_the_tiny_one_and_says_why(tmp_path,
 
 
 @pytest.fixture(scope="module")
-def demo_url(tmp_path_factory):
-    with running_demo(tmp_path_factory.mktemp("demo")) as url:
+def demo_folder(tmp_path_factory):
+    """The running demo's work folder: its tiny checkpoint, its log and (under uploads/) the files it stored."""
+    return tmp_path_factory.mktemp("demo")
+
+
+@pytest.fixture(scope="module")
+def demo_url(demo_folder):
+    with running_demo(demo_folder, "--max-image-mb", "1") as url:
         yield url
 
 
@@ -418,6 +425,20 @@ def test_typed_control_tokens_are_answered_as_text(demo_url):
         assert texts(chat, "user")[-1] == text
         assert not [message for message in texts(chat) if message.startswith("⚠")]  # no notice, no refusal
     assert len(plain_answers(chat)) == 2  # one answer per question, no forged answer in between
+
+
+def test_an_upload_over_the_size_limit_is_refused_before_it_is_stored(demo_url, demo_folder, tmp_path):
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\x89PNG" + bytes(2 * 2**20))  # 2 MB, over this demo's --max-image-mb 1
+    client = Client(demo_url, verbose=False)
+    with pytest.raises(ValueError, match="exceeds the maximum file size of 1048576 bytes"):  # the client is told
+        client.predict({"text": "look", "files": [handle_file(big)]}, api_name="/add_message")
+    # A client that sends it anyway is refused by the server while the upload streams in.
+    with big.open("rb") as file:
+        response = httpx.post(f"{demo_url}gradio_api/upload", files={"files": ("big.png", file, "image/png")})
+    assert response.status_code == 413 and "File size exceeded" in response.text
+    stored = [path for path in (demo_folder / "uploads").rglob("*") if path.is_file()]
+    assert all(path.stat().st_size < 2**20 for path in stored), stored
 
 
 def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrupt_png, truncated_jpeg):
