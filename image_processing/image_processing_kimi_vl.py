@@ -10,9 +10,14 @@ Reproduces the released Kimi-VL image processor exactly (pixel values to float32
 3. Convert to RGB, scale to [0, 1], normalise per channel with `image_mean` / `image_std`.
 4. Cut into `patch_size` x `patch_size` patches, row-major.
 
-One deliberate extension: the released code rejects images with 512 or more patches on a side ("Exceed pos
-emb"). Here such an image is scaled down (bicubic, once, from the input) so that its longest side fits in 511
-patches (510 when padding to pairs of patches). Every image the released code accepts is processed identically.
+Deliberate differences from the release (every 8-bit image it accepts is processed identically):
+- It rejects images with 512 or more patches on a side ("Exceed pos emb"). Here such an image is scaled down
+  (bicubic, once, from the input) so that its longest side fits in 511 patches (510 when padding to pairs).
+- High-bit-depth greyscale images (PIL modes "I;16*", "I", "F", e.g. a 16-bit PNG) are scaled to 8 bits first; the
+  release converts them with PIL's clipping, which turns a 16-bit photo white (see `_to_8_bit`).
+- Files it opens itself are turned upright by their EXIF orientation, as a viewer shows them (and as transformers'
+  `load_image` does); animated files give their first frame, with a one-time warning. A PIL image passed in is used
+  as given.
 
 Steps 1-2 run in PIL on the image's own mode, as in the original, because resampling and padding depend on
 the mode (premultiplied alpha, palettes, CMYK). Steps 3-4 are vectorised over the whole batch: one strided
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+from transformers.image_utils import ChannelDimension
 from transformers.processing_utils import ImagesKwargs
 from transformers.utils import logging
 
@@ -130,8 +136,10 @@ class KimiVLImageProcessor(BaseImageProcessor):
         merge_kernel_size (2 ints, defaults to `[2, 2]`): patches merged into one text token (rows, columns).
         num_pooled_tokens (`int`, defaults to 1024): kept from the released config for round-tripping; unused.
 
-    Accepts PIL images, file paths, numpy `HxWxC` uint8 arrays (C in 1, 3, 4), torch `CxHxW` tensors (uint8, or
-    float in [0, 1], rounded to the nearest 1/255), and lists (or lists of lists) of these, of mixed sizes.
+    Accepts PIL images, file paths, numpy uint8 arrays and torch tensors (uint8, or float in [0, 1], rounded to the
+    nearest 1/255) of shape `HxW`, `HxWxC` or `CxHxW` with C in 1, 3, 4, and lists (or lists of lists) of these, of
+    mixed sizes. The channel axis is read from the shape; where both layouts fit (e.g. 3x8x3), pass
+    `input_data_format` ("channels_first" / "channels_last"), as with transformers' image processors.
     Returns `pixel_values` `[sum of patches, 3, patch, patch]` float32 and `image_grid_hws` `[images, 2]` int64.
     """
 
@@ -180,6 +188,7 @@ class KimiVLImageProcessor(BaseImageProcessor):
         merge_kernel_size: list[int] | None = None,
         image_mean: float | list[float] | None = None,
         image_std: float | list[float] | None = None,
+        input_data_format: ChannelDimension | str | None = None,
         return_tensors: str | None = None,
     ) -> BatchFeature:
         settings = self._settings(
@@ -192,7 +201,8 @@ class KimiVLImageProcessor(BaseImageProcessor):
         )
         geometry = _geometry_from(settings)
 
-        pil_images = as_pil_images(images)
+        channel_format = _channel_format(input_data_format)
+        pil_images = as_pil_images(images, channel_format)
         rgb_images = []
         for index, image in enumerate(pil_images):
             try:
@@ -268,12 +278,27 @@ def _geometry_from(settings: dict) -> _Geometry:
     )
 
 
-def as_pil_images(images) -> list[Image.Image]:
-    """Flatten the accepted input forms into a list of PIL images, naming the position of anything invalid."""
+def _channel_format(input_data_format) -> ChannelDimension | None:
+    if input_data_format is None:
+        return None
+    try:
+        return ChannelDimension(input_data_format)
+    except ValueError as error:
+        raise ValueError(
+            f"`input_data_format` must be 'channels_first' or 'channels_last' (or None to read it from the shape), "
+            f"got {input_data_format!r}."
+        ) from error
+
+
+def as_pil_images(images, channel_format: ChannelDimension | None = None) -> list[Image.Image]:
+    """Flatten the accepted input forms into a list of PIL images, naming the position of anything invalid.
+
+    `channel_format` is the layout of numpy and torch inputs (None: read from each one's shape).
+    """
     flat = _flatten(images)
     if not flat:
         raise ValueError("No images were given: expected an image or a non-empty list of images.")
-    return [_as_pil_image(image, index, len(flat)) for index, image in enumerate(flat)]
+    return [_as_pil_image(image, index, len(flat), channel_format) for index, image in enumerate(flat)]
 
 
 def _flatten(images) -> list:
@@ -283,44 +308,106 @@ def _flatten(images) -> list:
     return [image for item in images for image in (item if isinstance(item, (list, tuple)) else [item])]
 
 
-def _as_pil_image(image, index: int, count: int) -> Image.Image:
+def _as_pil_image(image, index: int, count: int, channel_format: ChannelDimension | None) -> Image.Image:
     where = f"Image {index} of {count}"
     if isinstance(image, (str, os.PathLike)):
         image = _open_image_file(image, where)
     elif isinstance(image, np.ndarray):
-        image = _image_from_hwc_array(image, where)
+        image = _image_from_array(image, channel_format, where)
     elif isinstance(image, torch.Tensor):
-        image = _image_from_chw_tensor(image, where)
+        image = _image_from_array(_uint8_from_tensor(image, where), channel_format, where)
     elif not isinstance(image, Image.Image):
         raise TypeError(
-            f"{where} is a {type(image).__name__}; expected a PIL image, a file path, a numpy HxWxC uint8 array "
-            "or a torch CxHxW tensor."
+            f"{where} is a {type(image).__name__}; expected a PIL image, a file path, a numpy uint8 array "
+            "or a torch tensor."
         )
     if image.width == 0 or image.height == 0:
         raise ValueError(f"{where} is empty ({image.width}x{image.height} pixels).")
-    return image
+    return _to_8_bit(image, where) if image.mode in HIGH_BIT_DEPTH_RANGES else image
 
 
 def _open_image_file(path, where: str) -> Image.Image:
-    # Opened as stored (no EXIF rotation, no mode change), exactly as the original received PIL images.
+    """Decode a file's first frame, upright by its EXIF orientation, and close the file."""
     try:
-        image = Image.open(path)
-        image.load()
+        with Image.open(path) as image:
+            if getattr(image, "is_animated", False):
+                logger.warning_once(
+                    "KimiVLImageProcessor uses the first frame of animated image files (GIF, APNG, WebP, ...)."
+                )
+            image.load()
+            # As a viewer shows it (and as transformers' load_image does): a phone photo stored sideways with an
+            # orientation tag comes out upright. In place: no copy of the pixels when there is nothing to turn.
+            ImageOps.exif_transpose(image, in_place=True)
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise ValueError(f"{where} ({os.fspath(path)!r}) could not be read as an image: {error}") from error
     return image
 
 
+# Greyscale modes of more than 8 bits, each with the ranges [0, top] its values may be on, smallest first; an image
+# is scaled from the first range that holds all its values (see `_to_8_bit`).
+EIGHT_BIT_TOP = 255
+HIGH_BIT_DEPTH_RANGES = {
+    **{mode: (65535,) for mode in ("I;16", "I;16L", "I;16B", "I;16N")},
+    "I": (EIGHT_BIT_TOP, 65535, 2**31 - 1),  # PIL's own conversions to "I" give 0..255; 16-bit files give 0..65535
+    "F": (1.0, float(EIGHT_BIT_TOP)),  # [0, 1] as float tensors and transformers take floats; 0..255 as PIL's "F"
+}
+
+
+def _to_8_bit(image: Image.Image, where: str) -> Image.Image:
+    """The image on the 0..255 scale: an "L" image scaled from the first of its mode's ranges that fits its values.
+
+    A 16-bit image (e.g. a 16-bit PNG) is scaled from 0..65535, where the release's clipping conversion made it
+    white. An image whose values already lie on the 0..255 scale is returned as it is, so it is processed exactly as
+    the release does. Negative values and NaN fit no range and are errors, as are values above the largest range.
+    """
+    values = np.asarray(image)  # uint16, int32 or float32
+    low, high = values.min().item(), values.max().item()
+    ranges = HIGH_BIT_DEPTH_RANGES[image.mode]
+    top = next((top for top in ranges if high <= top), None)
+    if top is None or not low >= 0:  # `not >=` is also True for NaN
+        raise ValueError(
+            f"{where} is a mode {image.mode!r} image with values in [{low}, {high}]; this mode is scaled to 8 bits "
+            f"from one of the ranges {', '.join(f'[0, {top}]' for top in ranges)}."
+        )
+    if top == EIGHT_BIT_TOP:
+        return image
+    scaled = values.astype(np.float32)  # the one full-size temporary
+    scaled *= EIGHT_BIT_TOP / top
+    return Image.fromarray(np.rint(scaled, out=scaled).astype(np.uint8), mode="L")
+
+
 _MODE_FOR_CHANNELS = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
-def _image_from_hwc_array(array: np.ndarray, where: str) -> Image.Image:
+def _uint8_from_tensor(tensor: torch.Tensor, where: str) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.is_floating_point() and tensor.numel():
+        low, high = tensor.min().item(), tensor.max().item()
+        if not (0.0 <= low and high <= 1.0):
+            raise ValueError(f"{where}: float tensors must hold values in [0, 1], got [{low}, {high}].")
+        # Rounding (not truncation) so that uint8 / 255 comes back as the same uint8.
+        tensor = (tensor.float() * 255).round().to(torch.uint8)
+    elif tensor.is_floating_point():
+        tensor = tensor.to(torch.uint8)  # empty: reported by the shape checks
+    elif tensor.dtype != torch.uint8:
+        raise ValueError(f"{where}: torch tensors must be uint8 or float in [0, 1], got {tensor.dtype}.")
+    return tensor.numpy()
+
+
+def _image_from_array(array: np.ndarray, channel_format: ChannelDimension | None, where: str) -> Image.Image:
+    """A PIL image from an HxW, HxWxC or CxHxW uint8 array (C in 1, 3, 4), the layout given or read from the shape."""
     if array.dtype != np.uint8:
-        raise ValueError(f"{where}: numpy arrays must be uint8 (HxWxC, 0-255), got dtype {array.dtype}.")
-    if array.ndim == 2:
+        raise ValueError(f"{where}: numpy arrays must be uint8 (0-255), got dtype {array.dtype}.")
+    if array.ndim == 3:
+        layout = channel_format or _channel_format_from_shape(array.shape, where)
+        array = np.moveaxis(array, 0, -1) if layout == ChannelDimension.FIRST else array
+    elif array.ndim == 2:
         array = array[:, :, None]
     if array.ndim != 3 or array.shape[2] not in _MODE_FOR_CHANNELS:
-        raise ValueError(f"{where}: numpy arrays must be HxW or HxWxC with C in 1, 3, 4; got shape {array.shape}.")
+        raise ValueError(
+            f"{where}: arrays must be HxW, or HxWxC / CxHxW with C in 1, 3, 4; got shape {array.shape}"
+            + (f" read as {channel_format.value}." if channel_format else ".")
+        )
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise ValueError(f"{where} is empty (shape {array.shape}).")
     channels = array.shape[2]
@@ -328,21 +415,15 @@ def _image_from_hwc_array(array: np.ndarray, where: str) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(pixels), mode=_MODE_FOR_CHANNELS[channels])
 
 
-def _image_from_chw_tensor(tensor: torch.Tensor, where: str) -> Image.Image:
-    if tensor.ndim != 3 or tensor.shape[0] not in _MODE_FOR_CHANNELS:
-        raise ValueError(f"{where}: torch tensors must be CxHxW with C in 1, 3, 4; got shape {tuple(tensor.shape)}.")
-    if tensor.numel() == 0:
-        raise ValueError(f"{where} is empty (shape {tuple(tensor.shape)}).")
-    tensor = tensor.detach().cpu()
-    if tensor.is_floating_point():
-        low, high = tensor.min().item(), tensor.max().item()
-        if not (0.0 <= low and high <= 1.0):
-            raise ValueError(f"{where}: float tensors must hold values in [0, 1], got [{low}, {high}].")
-        # Rounding (not truncation) so that uint8 / 255 comes back as the same uint8.
-        tensor = (tensor.float() * 255).round().to(torch.uint8)
-    elif tensor.dtype != torch.uint8:
-        raise ValueError(f"{where}: torch tensors must be uint8 or float in [0, 1], got {tensor.dtype}.")
-    return _image_from_hwc_array(tensor.permute(1, 2, 0).numpy(), where)
+def _channel_format_from_shape(shape: tuple[int, ...], where: str) -> ChannelDimension:
+    first, last = shape[0] in _MODE_FOR_CHANNELS, shape[-1] in _MODE_FOR_CHANNELS
+    if first and last:
+        # transformers guesses channels-first here with a warning; a wrong guess is a silently wrong image.
+        raise ValueError(
+            f"{where} has shape {tuple(shape)}, which reads as channels-first or channels-last; pass "
+            "input_data_format='channels_first' or 'channels_last'."
+        )
+    return ChannelDimension.FIRST if first else ChannelDimension.LAST
 
 
 def _fit_to_patches(image: Image.Image, geometry: _Geometry) -> Image.Image:

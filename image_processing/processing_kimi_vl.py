@@ -1,6 +1,7 @@
 """Processor of Kimi-VL: chat template, image placeholder expansion, batching; and the Thinking-output splitter."""
 
 import inspect
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -8,10 +9,19 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
 from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs
-from .tokenization_kimi_vl import KimiVLTokenizer
+from .tokenization_kimi_vl import KimiVLTokenizer, refuse_unsupported_sanitizing
 
+
+try:  # transformers with sanitize_control_tokens (5.24): a placeholder not marked as typed by a user
+    from transformers.processing_utils import _UNMARKED
+except ImportError:  # 5.17, 5.18: no marking, and sanitizing is refused (see refuse_unsupported_sanitizing)
+    _UNMARKED = ""
 
 IMAGE_PLACEHOLDER = "<|media_pad|>"
+# Every placeholder in a prompt; with sanitize_control_tokens, only the ones the chat template wrote (the ones in
+# message text are marked by transformers' `apply_chat_template`, and encode as plain text).
+PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER))
+TEMPLATE_PLACEHOLDER_RE = re.compile(_UNMARKED + re.escape(IMAGE_PLACEHOLDER))
 THINK_OPEN = "◁think▷"
 THINK_CLOSE = "◁/think▷"
 
@@ -41,6 +51,12 @@ class KimiVLProcessor(ProcessorMixin):
 
     `images` is one image, a flat list (matched to the placeholders in order, across prompts), or one list per
     prompt (each prompt must then have exactly as many placeholders as its list has images).
+
+    Text given here is taken as a rendered prompt: control tokens in it (`<|im_end|>`, `<|media_pad|>`, ...) are
+    control tokens. To put user text in a prompt, use `apply_chat_template(messages, tokenize=True,
+    sanitize_control_tokens=True)`, which encodes the control tokens inside messages as plain text and keeps the
+    template's own (transformers' option; it needs transformers 5.24). A tokenizer loaded with
+    `split_special_tokens=True` encodes every control token as text, so it cannot be given images.
     """
 
     valid_processor_kwargs = KimiVLProcessorKwargs
@@ -72,12 +88,19 @@ class KimiVLProcessor(ProcessorMixin):
         image_processor = KimiVLImageProcessor(**{**saved_settings, **setting_overrides})
         return [image_processor, KimiVLTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)]
 
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        refuse_unsupported_sanitizing(kwargs)
+        return super().apply_chat_template(conversation, *args, **kwargs)
+
     def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
+        refuse_unsupported_sanitizing(kwargs)
         texts = _as_text_list(text)
         output_kwargs = self._merge_kwargs(
             KimiVLProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs
         )
-        placeholder_counts = [sample.count(IMAGE_PLACEHOLDER) for sample in texts]
+        sanitized = output_kwargs["text_kwargs"].get("sanitize_control_tokens", False)
+        placeholder_re = TEMPLATE_PLACEHOLDER_RE if sanitized else PLACEHOLDER_RE
+        placeholder_counts = [len(placeholder_re.findall(sample)) for sample in texts]
         if _is_per_prompt(images):
             _check_images_per_prompt(placeholder_counts, images)
             if sum(placeholder_counts) == 0:  # matched per prompt, so no prompt has images (e.g. `[[], []]`)
@@ -93,8 +116,11 @@ class KimiVLProcessor(ProcessorMixin):
                 "were given; each image needs exactly one placeholder (the chat template writes them)."
             )
         if image_count:
-            texts = self._expand_placeholders(texts, image_inputs["image_grid_hws"].tolist())
+            texts = self._expand_placeholders(texts, image_inputs["image_grid_hws"].tolist(), placeholder_re)
         text_inputs = self.tokenizer(texts, **output_kwargs["text_kwargs"])
+        # transformers' check that every placeholder became one image-token id (not so when truncated, or when the
+        # tokenizer encodes special tokens as text).
+        self._check_special_mm_tokens(texts, text_inputs, modalities=["image"])
         return_tensors = output_kwargs["text_kwargs"].get("return_tensors")
         return BatchFeature(data={**text_inputs, **image_inputs}, tensor_type=return_tensors)
 
@@ -109,11 +135,11 @@ class KimiVLProcessor(ProcessorMixin):
             )
         return (rows // merge_rows) * (columns // merge_columns)
 
-    def _expand_placeholders(self, texts: list[str], grids: list[list[int]]) -> list[str]:
+    def _expand_placeholders(self, texts: list[str], grids: list[list[int]], placeholder_re: re.Pattern) -> list[str]:
         counts = iter(self.tokens_per_image(grid) for grid in grids)
         expanded = []
         for sample in texts:
-            pieces = sample.split(IMAGE_PLACEHOLDER)
+            pieces = placeholder_re.split(sample)
             # Between every two pieces there was one placeholder; it becomes that image's run of placeholders.
             runs = [IMAGE_PLACEHOLDER * next(counts) for _ in pieces[1:]]
             expanded.append("".join(piece + run for piece, run in zip(pieces, [*runs, ""])))

@@ -3,19 +3,42 @@
 Files (as on the Hub): `tiktoken.model` (one "base64-token rank" line per BPE token, ranks 0..n-1) and
 `tokenizer_config.json`. The ids after the BPE ranks are `num_reserved_special_tokens` (256) special tokens;
 `added_tokens_decoder` names some of them (`[BOS]`, `<|im_end|>`, `<|media_pad|>`, ...), the rest are
-`<|reserved_token_N|>`. Special-token strings in text always encode to their single id, as in the original.
+`<|reserved_token_N|>`. Every reserved id, named or not, is an added special token of the transformers tokenizer,
+so that transformers' special-token handling covers all of them: by default a special-token string in text encodes
+to its single id, as in the original; with `split_special_tokens=True` (call argument, or `from_pretrained` / init
+setting) it is encoded as plain text, and `apply_chat_template(..., sanitize_control_tokens=True)` encodes the ones
+in message text as plain text while the template's own stay special.
 """
 
 import base64
+import inspect
 import os
 import shutil
 
 import tiktoken
+import transformers
 from transformers import AddedToken, PreTrainedTokenizer
 from transformers.utils import logging
 
 
 logger = logging.get_logger(__name__)
+
+# `apply_chat_template(..., sanitize_control_tokens=True)` is transformers' own (5.24 has it, 5.17 and 5.18 do not).
+# Older releases would hand the flag to the template as an unused variable and return unsanitised ids, so
+# `refuse_unsupported_sanitizing` turns that into an error instead.
+SANITIZING_SUPPORTED = "sanitize_control_tokens" in inspect.signature(
+    PreTrainedTokenizer.apply_chat_template
+).parameters
+
+
+def refuse_unsupported_sanitizing(kwargs: dict) -> None:
+    """Raise if `sanitize_control_tokens=True` is asked of a transformers release that cannot honour it."""
+    if kwargs.get("sanitize_control_tokens") and not SANITIZING_SUPPORTED:
+        raise NotImplementedError(
+            f"sanitize_control_tokens=True needs transformers' control-token sanitising, which transformers "
+            f"{transformers.__version__} does not have (5.24 has it); upgrade transformers. Without it, control "
+            "tokens typed into messages would be encoded as control tokens."
+        )
 
 # Moonshot's pre-tokenisation pattern (`pat_str` of the released tokenization_moonshot.py): Han runs on their own,
 # cased words with English contractions, numbers in groups of up to three, punctuation runs, whitespace.
@@ -121,16 +144,21 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         self._token_strings = ["".join(BYTE_TO_CHAR[byte] for byte in token) for token in ranks]
         self._token_strings.extend(special_tokens)
         self._token_ids = {token: token_id for token_id, token in enumerate(self._token_strings)}
+        # Every reserved id is an added special token, not only the named ones: the original encodes each of them
+        # from text, and transformers' `split_special_tokens` and `sanitize_control_tokens` act on added special
+        # tokens. (An AddedToken given for an id keeps its settings.)
+        given = {int(i): token for i, token in (added_tokens_decoder or {}).items() if isinstance(token, AddedToken)}
+        added_tokens = {
+            token_id: given.get(token_id, AddedToken(token, special=True))
+            for token_id, token in enumerate(special_tokens, start=self.num_base_tokens)
+        }
         super().__init__(
             bos_token=bos_token,
             eos_token=eos_token,
             unk_token=unk_token,
             pad_token=pad_token,
             num_reserved_special_tokens=num_reserved_special_tokens,
-            added_tokens_decoder={
-                int(token_id): token if isinstance(token, AddedToken) else AddedToken(_content(token), special=True)
-                for token_id, token in (added_tokens_decoder or {}).items()
-            },
+            added_tokens_decoder=added_tokens,
             **kwargs,
         )
 
@@ -154,6 +182,10 @@ class KimiVLTokenizer(PreTrainedTokenizer):
             raise ValueError(f"Special token names must be unique, but these name several ids: {listed}.")
         return tokens
 
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        refuse_unsupported_sanitizing(kwargs)
+        return super().apply_chat_template(conversation, *args, **kwargs)
+
     @property
     def vocab_size(self) -> int:
         return len(self._token_strings)
@@ -162,14 +194,16 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         return dict(self._token_ids)
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
-        return [self._token_strings[token_id] for token_id in self.encode_to_ids(text)]
+        # transformers' `tokenize` has already cut the special-token strings out of `text` (they are all added
+        # tokens), or was asked to `split_special_tokens`: either way, what reaches here is plain text.
+        return [self._token_strings[token_id] for token_id in self._encode_plain_text(text)]
 
-    def encode_to_ids(self, text: str) -> list[int]:
-        """Ids of `text`, special-token strings included, exactly as the original's `encode`."""
+    def _encode_plain_text(self, text: str) -> list[int]:
+        """BPE ids of `text` with special-token strings as ordinary text, in the original's windows and runs."""
         ids = []
         for window_start in range(0, len(text), ENCODE_WINDOW_CHARS):
             for piece in _split_long_runs(text[window_start : window_start + ENCODE_WINDOW_CHARS]):
-                ids.extend(self._encoding.encode(piece, allowed_special="all", disallowed_special=()))
+                ids.extend(self._encoding.encode_ordinary(piece))
         return ids
 
     def _convert_token_to_id(self, token: str) -> int:
@@ -206,4 +240,4 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         return (target,)
 
 
-__all__ = ["KimiVLTokenizer", "PAT_STR"]
+__all__ = ["KimiVLTokenizer", "PAT_STR", "SANITIZING_SUPPORTED"]

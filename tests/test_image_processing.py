@@ -3,6 +3,7 @@
 import importlib.util
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,10 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from transformers.image_utils import ChannelDimension
+from transformers.utils.logging import warning_once
 
-from image_processing import KimiVLImageProcessor
+from image_processing import KimiVLImageProcessor, image_processing_kimi_vl
 from image_processing.image_processing_kimi_vl import accepted_preprocess_kwargs
 
 
@@ -203,7 +206,8 @@ def test_return_tensors_np():
         (42, r"Image 1 of 3 is a int; expected a PIL image"),
         (np.zeros((4, 4, 3), np.float32), r"Image 1 of 3: numpy arrays must be uint8"),
         (torch.full((3, 4, 4), 2.0), r"Image 1 of 3: float tensors must hold values in \[0, 1\]"),
-        (np.zeros((3, 8, 8), np.uint8), r"Image 1 of 3: numpy arrays must be HxW or HxWxC"),
+        (np.zeros((5, 8, 8), np.uint8), r"Image 1 of 3: arrays must be HxW, or HxWxC / CxHxW with C in 1, 3, 4"),
+        (torch.zeros((3, 8, 3), dtype=torch.uint8), r"Image 1 of 3 has shape \(3, 8, 3\), which reads as channels-"),
     ],
 )
 def test_bad_inputs_name_their_position(bad, message):
@@ -311,3 +315,111 @@ def test_unknown_kwargs_are_dropped_and_accepted_set_is_computed_once_per_class(
     assert "device" not in accepted_preprocess_kwargs(KimiVLImageProcessor)
     assert {"in_token_limit", "pad_input", "return_tensors"} <= accepted_preprocess_kwargs(KimiVLImageProcessor)
     assert all(torch.equal(out["pixel_values"], processor(image)["pixel_values"]) for out in outputs)
+
+
+# --- careless and hostile input --------------------------------------------------------------------------------
+
+
+def _grey_ramp(width=30, height=20, top=65535):
+    """A greyscale ramp over 0..top (uint16 when top > 255), and its 8-bit equivalent (round(v * 255 / top))."""
+    values = np.linspace(0, top, width * height).reshape(height, width)
+    dtype = np.uint16 if top > 255 else np.uint8
+    values = np.rint(values).astype(dtype)
+    return values, np.rint(values.astype(np.float64) * 255 / top).astype(np.uint8)
+
+
+def test_sixteen_bit_greyscale_is_scaled_to_eight_bits(tmp_path):
+    values, eight_bit = _grey_ramp()
+    expected = KimiVLImageProcessor()(Image.fromarray(eight_bit, "L"))["pixel_values"]
+    sixteen = Image.fromarray(values)
+    assert sixteen.mode == "I;16"
+    sixteen.save(tmp_path / "ramp16.png")
+    assert Image.open(tmp_path / "ramp16.png").mode == "I;16"  # a 16-bit PNG opens in this mode
+    as_32_bit_int = sixteen.convert("I")  # 16-bit data held in PIL's 32-bit integer mode
+    as_float = Image.fromarray(values.astype(np.float32) / 65535, "F")  # float in [0, 1]
+    for image in (sixteen, str(tmp_path / "ramp16.png"), as_32_bit_int, as_float):
+        assert torch.equal(KimiVLImageProcessor()(image)["pixel_values"], expected)
+    # Not white, as the release's clipping conversion made it.
+    assert KimiVLImageProcessor()(sixteen)["pixel_values"].min() == -1.0
+
+
+def test_high_bit_depth_values_that_fit_no_scale_are_refused():
+    negative = Image.fromarray(np.full((20, 20), -5, np.int32), "I")
+    with pytest.raises(ValueError, match=r"Image 0 of 1 is a mode 'I' image with values in \[-5, -5\]"):
+        KimiVLImageProcessor()(negative)
+    with pytest.raises(ValueError, match=r"mode 'F' image with values in \[0.0, 300.0\].*\[0, 1.0\], \[0, 255.0\]"):
+        KimiVLImageProcessor()(Image.fromarray(np.linspace(0, 300, 400, dtype=np.float32).reshape(20, 20), "F"))
+
+
+def test_layout_of_arrays_and_tensors_is_given_or_unambiguous():
+    pil = _random_rgb(30, 4)  # 4 rows: as HxWxC (4, 30, 3) it also reads as a 4-channel CxHxW image
+    expected = KimiVLImageProcessor()(pil)["pixel_values"]
+    hwc = torch.from_numpy(np.asarray(pil).copy())
+    with pytest.raises(ValueError, match=r"shape \(4, 30, 3\), which reads as channels-first or channels-last"):
+        KimiVLImageProcessor()(hwc)
+    chw = hwc.permute(2, 0, 1)
+    for image, layout in [(hwc, "channels_last"), (hwc.numpy(), "channels_last"), (chw, "channels_first"),
+                          (chw.numpy(), ChannelDimension.FIRST)]:
+        assert torch.equal(KimiVLImageProcessor()(image, input_data_format=layout)["pixel_values"], expected)
+    # Unambiguous shapes need no input_data_format: numpy HxWxC and torch CxHxW as before, and the other layouts.
+    tall = _random_rgb(30, 20)
+    array = np.asarray(tall)
+    expected = KimiVLImageProcessor()(tall)["pixel_values"]
+    as_tensor = torch.from_numpy(array.copy())
+    for image in (array, np.moveaxis(array, -1, 0), as_tensor, as_tensor.permute(2, 0, 1)):
+        assert torch.equal(KimiVLImageProcessor()(image)["pixel_values"], expected)
+    with pytest.raises(ValueError, match=r"`input_data_format` must be 'channels_first' or 'channels_last'"):
+        KimiVLImageProcessor()(array, input_data_format="hwc")
+    with pytest.raises(ValueError, match=r"got shape \(30, 3, 20\) read as channels_first"):
+        KimiVLImageProcessor()(array, input_data_format="channels_first")
+
+
+def _sideways_photo(path):
+    """A 40x20 image stored as such, with EXIF orientation 6: viewers show it rotated, 20 wide and 40 high."""
+    image = _random_rgb(40, 20, seed=3)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    image.save(path, exif=exif)
+    return image
+
+
+def test_files_are_opened_upright_and_pil_images_are_used_as_given(tmp_path):
+    stored = _sideways_photo(tmp_path / "phone.png")
+    processor = KimiVLImageProcessor()
+    from_file = processor(str(tmp_path / "phone.png"))
+    upright = stored.transpose(Image.Transpose.ROTATE_270)
+    assert from_file["image_grid_hws"].tolist() == [[4, 2]]  # 40 high, 20 wide (padded to 56 x 28)
+    assert torch.equal(from_file["pixel_values"], processor(upright)["pixel_values"])
+    # A PIL image passed in is used as given, even when it carries an orientation tag.
+    opened = Image.open(tmp_path / "phone.png")
+    assert processor(opened)["image_grid_hws"].tolist() == [[2, 4]]
+
+
+def _open_descriptors_of(path) -> list[str]:
+    fd_dir = Path("/proc/self/fd")
+    return [fd for fd in os.listdir(fd_dir) if os.path.realpath(fd_dir / fd) == os.path.realpath(path)]
+
+
+def test_animated_files_give_their_first_frame_once_warned_and_are_closed(tmp_path, monkeypatch):
+    frames = [Image.new("RGB", (28, 28), colour) for colour in ("red", "blue", "green")]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    frames[0].save(tmp_path / "anim.png", save_all=True, append_images=frames[1:], duration=50)  # APNG
+    warnings = []
+    warning_once.cache_clear()
+    monkeypatch.setattr(image_processing_kimi_vl.logger, "warning", lambda message, *args: warnings.append(message))
+    processor = KimiVLImageProcessor()
+    first_frame = processor(frames[0])["pixel_values"]
+    for name in ("anim.gif", "anim.png", "anim.gif"):
+        assert torch.equal(processor(str(tmp_path / name))["pixel_values"], first_frame)
+        assert _open_descriptors_of(tmp_path / name) == []
+    assert warnings == ["KimiVLImageProcessor uses the first frame of animated image files (GIF, APNG, WebP, ...)."]
+
+
+def test_a_file_that_fails_to_decode_is_closed(tmp_path):
+    buffer = io.BytesIO()
+    _random_rgb(64, 64).save(buffer, format="PNG")
+    (tmp_path / "truncated.png").write_bytes(buffer.getvalue()[:200])
+    with pytest.raises(ValueError, match="could not be read as an image") as raised:
+        KimiVLImageProcessor()(str(tmp_path / "truncated.png"))
+    assert raised.value is not None  # the error (and its traceback) is still held, as a server logging it would
+    assert _open_descriptors_of(tmp_path / "truncated.png") == []
