@@ -30,7 +30,7 @@ from typing import Iterator
 
 import gradio as gr
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from image_processing import (
@@ -40,6 +40,7 @@ from image_processing import (
     split_thinking,
     write_tiny_tokenizer,
 )
+from image_processing.tokenization_kimi_vl import SANITIZING_SUPPORTED
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
@@ -160,11 +161,13 @@ def check_images(paths: list[str], limits: InputLimits) -> None:
 
 
 def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
-    """Check, then fully decode one image; InputError if either fails (a truncated JPEG passes the checks)."""
+    """Check, then fully decode one image (the first frame of an animation), upright as its EXIF orientation says, as
+    the image processor opens files; InputError if either fails (a truncated JPEG passes the checks)."""
     check_image(path, limits)
     path = Path(path)
     with image_errors(path), Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
         opened.load()  # the pixels now live in memory; closing the file (leaving the block) keeps them
+        ImageOps.exif_transpose(opened, in_place=True)  # a phone photo stored sideways is shown upright
     return opened
 
 
@@ -545,6 +548,12 @@ class ChatEngine:
     def __init__(
         self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits, ignore_eos: bool = False
     ):
+        if not SANITIZING_SUPPORTED:  # every prompt is built with it: the demo would fail on the first question
+            raise RuntimeError(
+                "The demo encodes control tokens that users type as plain text, with transformers' "
+                "apply_chat_template(sanitize_control_tokens=True), which this transformers release does not have "
+                "(5.24 has it): pip install -U 'transformers>=5.24'"
+            )
         self.checkpoint = checkpoint
         self.limits = limits
         # True: the end-of-turn token is never chosen, so every answer runs until Stop or the max new tokens setting.
@@ -585,6 +594,8 @@ class ChatEngine:
             prepared_images[path].size if path in prepared_images else check_image(path, self.limits)
             for path in image_paths
         ]
+        # As stored: an EXIF orientation that turns an image a quarter (decoding honours it) swaps its grid's rows and
+        # columns, which leaves its token count as it is.
         image_processor = self.processor.image_processor
         grids = [image_processor.get_image_grid_hw(height, width) for width, height in sizes]
         image_tokens = [self.processor.tokens_per_image(grid) for grid in grids]

@@ -296,6 +296,12 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def stop_if_running(pid: int) -> None:
+    """Leave no process behind when a test fails."""
+    if is_running(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def wait_until(condition, what: str, limit_s: float = 120) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
@@ -309,12 +315,15 @@ def test_sigterm_stops_an_export_like_ctrl_c(source, tmp_path):
     export = export_process(source, out, tmp_path)
     wait_until(lambda: children(export.pid) or export.poll() is not None, "the verification child to start")
     [verifier] = children(export.pid)
-    export.send_signal(signal.SIGTERM)
-    _, stderr = export.communicate(timeout=120)
-    assert export.returncode == 128 + signal.SIGTERM, stderr
-    assert "error: stopped by SIGTERM before the export finished" in stderr
-    assert not is_running(verifier)  # stopped by the export on its way out
-    assert not out.exists() and leftovers(tmp_path) == []  # the temporary folder (a copy of the weights) is gone
+    try:
+        export.send_signal(signal.SIGTERM)
+        _, stderr = export.communicate(timeout=120)
+        assert export.returncode == 128 + signal.SIGTERM, stderr
+        assert "error: stopped by SIGTERM before the export finished" in stderr
+        assert not is_running(verifier)  # stopped by the export on its way out
+        assert not out.exists() and leftovers(tmp_path) == []  # the temporary folder (a copy of the weights) is gone
+    finally:
+        stop_if_running(verifier)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
@@ -322,9 +331,12 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
     export = export_process(source, tmp_path / "out", tmp_path)
     wait_until(lambda: children(export.pid) or export.poll() is not None, "the verification child to start")
     [verifier] = children(export.pid)
-    export.kill()  # SIGKILL: nothing in the export runs any more
-    export.communicate()
-    wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
+    try:
+        export.kill()  # SIGKILL: nothing in the export runs any more
+        export.communicate()
+        wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
+    finally:
+        stop_if_running(verifier)
 
 
 def test_reexport_is_idempotent(exported, tmp_path):
