@@ -588,7 +588,8 @@ class ChatEngine:
         dropped from it. Runs in the queued handler, one generation at a time.
         """
         messages, image_paths = model_conversation(history)
-        for path in prepared_images.keys() - set(image_paths):  # e.g. the images of a turn refused after decoding
+        # Turns dropped by Regenerate, or refused after their images were decoded, take their images with them.
+        for path in prepared_images.keys() - set(image_paths):
             del prepared_images[path]
         sizes = [
             prepared_images[path].size if path in prepared_images else check_image(path, self.limits)
@@ -721,6 +722,7 @@ def answer_turn(
         history.append(answer)
         yield history
         return
+    prepared = None
     try:
         try:
             prepared = engine.prepare(history, settings.max_new_tokens, prepared_images)
@@ -743,9 +745,9 @@ def answer_turn(
         answer["stats_title"], answer["stats"] = format_stats(
             prepared.new_images, prepared.prompt_tokens, engine.context_length, monitor
         )
-        del prepared  # the turn's model inputs (a copy of its pixel values, on the model's device)
         yield history
     finally:
+        prepared = None  # the turn's model inputs (a copy of its pixel values, on the model's device)
         release_memory()
 
 

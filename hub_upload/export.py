@@ -10,15 +10,18 @@
                                `.NAME.kimi-vl-export-old-XXXXXXXX` (8 random hex digits) and deleted afterwards
 
 Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the
-new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed outright leaves its `.NAME.partial-*` temp folder,
-and one killed or interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was
-not in place yet, partly deleted if it was). The next export to the same target settles aside folders of exactly that
-name form first, and touches no other folder: if the target exists, the aside folder was already replaced and is
-deleted; if the target is missing, the old folder goes back into place when it is a complete export (as
-`check_export_folder` says), and is otherwise left where it is, named in a warning (until a later export, with the
-target then in place, deletes it as above).
+new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
+outright leaves its temp folder `.NAME.partial-XXXXXXXX` (`tempfile.mkdtemp`'s 8 random characters), and one killed or
+interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was not in place
+yet, partly deleted if it was). The next export to the same target cleans up both first, touching no folder of any
+other name. A temp folder is deleted unless a running export holds the lock (`flock`) that each export takes on its
+own temp folder until it ends (the system releases the lock of a killed process). Aside folders are settled: if the
+target exists, the aside folder was already replaced and is deleted; if the target is missing, the old folder goes
+back into place when it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named
+in a warning (until a later export, with the target then in place, deletes it as above).
 """
 
+import fcntl
 import glob
 import json
 import os
@@ -92,6 +95,7 @@ def export_checkpoint(
     max_shard_bytes = parse_size(str(max_shard_size))
     code_files = flat_code_files()
 
+    _remove_abandoned_staging(out)
     _settle_interrupted_publish(out)
     problems = _output_problems(source, out, overwrite, delete_added_files, code_files)
     try:
@@ -102,8 +106,9 @@ def export_checkpoint(
         raise ExportInputError(source, problems)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
+    staging_lock = _lock_folder(staging)  # this export's own, until it ends: not abandoned (_remove_abandoned_staging)
     try:
         num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
         structural_problems = check_export_folder(staging)
@@ -116,6 +121,8 @@ def export_checkpoint(
     except BaseException:  # KeyboardInterrupt included: never leave a half-written folder behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(staging_lock)
     return ExportResult(folder=out, files=files, num_shards=num_shards, verified=verify)
 
 
@@ -203,6 +210,39 @@ def _publish(staging: Path, out: Path) -> None:
         os.rename(aside / out.name, out)
         raise
     shutil.rmtree(aside)
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _lock_folder(folder: Path) -> int:
+    """A file descriptor of `folder` holding an exclusive lock on it; the lock goes when the descriptor is closed or
+    the process ends, however it ends."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _remove_abandoned_staging(out: Path) -> None:
+    """Delete the temp folders of exports into `out` that were killed outright (see the module docstring): those of
+    exactly the form the export names them whose lock no running export holds."""
+    staging_name = re.compile(re.escape(_staging_prefix(out)) + "[a-z0-9_]{8}")  # tempfile.mkdtemp's random names
+    for staging in sorted(out.parent.glob(glob.escape(_staging_prefix(out)) + "*")):
+        if not staging_name.fullmatch(staging.name) or not staging.is_dir() or staging.is_symlink():
+            continue
+        try:
+            lock = _lock_folder(staging)
+        except BlockingIOError:  # a running export's
+            continue
+        try:
+            shutil.rmtree(staging)
+        finally:
+            os.close(lock)
 
 
 def _aside_prefix(out: Path) -> str:

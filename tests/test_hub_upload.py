@@ -337,6 +337,23 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
         wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
     finally:
         stop_if_running(verifier)
+    [abandoned] = leftovers(tmp_path)  # nothing could remove its temp folder (a full copy of the weights) ...
+    assert abandoned.startswith(".out.partial-")
+    export_checkpoint(source, tmp_path / "out", verify=False)
+    assert leftovers(tmp_path) == []  # ... until the next export into the same target
+
+
+def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
+    running = tmp_path / ".out.partial-abcd1234"
+    running.mkdir()
+    lock = export_module._lock_folder(running)  # as the export holding it does, until it ends
+    try:
+        export_checkpoint(source, tmp_path / "out", verify=False)
+        assert leftovers(tmp_path) == [running.name]
+    finally:
+        os.close(lock)
+    export_checkpoint(source, tmp_path / "out", verify=False, overwrite=True)
+    assert leftovers(tmp_path) == []
 
 
 def test_reexport_is_idempotent(exported, tmp_path):
