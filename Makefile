@@ -43,6 +43,7 @@ bench: venv
 	$(PY) benchmarks/bench_generate.py
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py
 	$(PY) benchmarks/bench_hub_export_memory.py
+	$(PY) benchmarks/bench_demo_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
