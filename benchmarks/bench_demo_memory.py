@@ -75,7 +75,7 @@ def measure(variant: str, workdir: Path) -> dict:
     limits = app.InputLimits(max_images=IMAGES_PER_TURN, max_image_mb=50.0, max_conversation_image_mb=512.0)
     engine = app.ChatEngine(checkpoint, "cpu", torch.float32, limits)
     settings = app.GenerationSettings(max_new_tokens=4, temperature=0.0, top_p=1.0)
-    turns = [paths for paths in json.loads((workdir / "images.json").read_text())]
+    turns = json.loads((workdir / "images.json").read_text())
     history, prepared_images = [], {}
     app.release_memory()
     start_kib = status_kib("VmRSS")
@@ -124,17 +124,19 @@ def main() -> None:
         results[variant] = measured
 
     print(f"one decoded {SIDE}x{SIDE} image: {decoded_mb:.0f} MB; memory over the start of the conversation, per turn")
-    print(f"{'variant':22s} {'turn':>4s} {'images':>6s} {'peak MB':>8s} {'x image':>7s} {'after MB':>9s} {'x image':>7s}")
+    header = ("variant", "turn", "images", "peak MB", "x image", "after MB", "x image")
+    print(f"{header[0]:22s} " + " ".join(f"{name:>{width}s}" for name, width in zip(header[1:], (4, 6, 8, 7, 9, 7))))
     for variant, measured in results.items():
         for turn, row in enumerate(measured["turns"], 1):
             print(
                 f"{variant:22s} {turn:4d} {row['images_in_conversation']:6d} {row['peak_mb']:8.1f} "
                 f"{row['peak_per_decoded_image']:7.2f} {row['after_mb']:9.1f} {row['after_per_decoded_image']:7.2f}"
             )
+    first_image = Path(json.loads((workdir / "images.json").read_text())[0][0])
     path = write_result(
         "demo_memory",
         {
-            "image": f"{SIDE}x{SIDE} PNG, {Path(json.loads((workdir / 'images.json').read_text())[0][0]).stat().st_size} bytes",
+            "image": f"{SIDE}x{SIDE} PNG, {first_image.stat().st_size} bytes",
             "decoded_image_mb": round(decoded_mb, 1),
             "turns": TURNS,
             "images_per_turn": IMAGES_PER_TURN,

@@ -218,7 +218,8 @@ def test_the_images_of_a_conversation_are_bounded_by_its_budget(engine, decodes,
     prepared_images = {}
     engine.prepare(history, 8, prepared_images)
     history += [answer("A"), user("a third does not", *large_pngs(tmp_path, "b", 1))]
-    with pytest.raises(app.InputError, match=r"The 3 images of this conversation would take 1\.7 MB .* at most 1\.5 MB"):
+    refusal = r"The 3 images of this conversation would take 1\.7 MB .* at most 1\.5 MB"
+    with pytest.raises(app.InputError, match=refusal):
         engine.prepare(history, 8, prepared_images)
     assert len(decodes) == 2 and len(prepared_images) == 2  # refused from the sizes: the third was never decoded
 

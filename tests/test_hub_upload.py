@@ -576,7 +576,8 @@ def test_next_export_settles_what_a_killed_publish_left(exported, source, tmp_pa
     # Killed while deleting the old target, the new one in place: what is left of the old one goes.
     (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out").mkdir(parents=True)
     (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out" / "config.json").write_text("{}")
-    export_checkpoint(source, out, verify=False, overwrite=True)
+    # (previous.txt, which marks the old export, is a file no export writes: deleting it needs delete_added_files.)
+    export_checkpoint(source, out, verify=False, overwrite=True, delete_added_files=True)
     assert not (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
@@ -637,7 +638,7 @@ def test_interrupted_or_failed_export_leaves_target_as_it_was(failure, exported,
 
     monkeypatch.setattr(export_module, "verify_export", fail)
     with pytest.raises(failure):
-        export_checkpoint(source, out, overwrite=True)
+        export_checkpoint(source, out, overwrite=True, delete_added_files=True)
     assert sorted(path.name for path in out.iterdir()) == previous
     assert leftovers(tmp_path) == []
 
