@@ -40,7 +40,7 @@ from image_processing import (
     split_thinking,
     write_tiny_tokenizer,
 )
-from image_processing.tokenization_kimi_vl import SANITIZING_SUPPORTED
+from image_processing import SANITIZING_SUPPORTED
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"

@@ -12,7 +12,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from .image_processing_kimi_vl import KimiVLImageProcessor
 from .processing_kimi_vl import KimiVLProcessor, ThinkingSplit, split_thinking
 from .tiny_tokenizer import write_tiny_tokenizer
-from .tokenization_kimi_vl import KimiVLTokenizer
+from .tokenization_kimi_vl import SANITIZING_SUPPORTED, KimiVLTokenizer
 
 
 MODEL_TYPE = "kimi_vl"
@@ -50,6 +50,7 @@ __all__ = [
     "KimiVLImageProcessor",
     "KimiVLProcessor",
     "KimiVLTokenizer",
+    "SANITIZING_SUPPORTED",
     "ThinkingSplit",
     "register_auto_classes",
     "split_thinking",

@@ -381,14 +381,12 @@ _MODE_FOR_CHANNELS = {1: "L", 3: "RGB", 4: "RGBA"}
 
 def _uint8_from_tensor(tensor: torch.Tensor, where: str) -> np.ndarray:
     tensor = tensor.detach().cpu()
-    if tensor.is_floating_point() and tensor.numel():
-        low, high = tensor.min().item(), tensor.max().item()
+    if tensor.is_floating_point():
+        low, high = torch.aminmax(tensor) if tensor.numel() else (0.0, 0.0)  # an empty one fails the shape checks
         if not (0.0 <= low and high <= 1.0):
-            raise ValueError(f"{where}: float tensors must hold values in [0, 1], got [{low}, {high}].")
+            raise ValueError(f"{where}: float tensors must hold values in [0, 1], got [{float(low)}, {float(high)}].")
         # Rounding (not truncation) so that uint8 / 255 comes back as the same uint8.
         tensor = (tensor.float() * 255).round().to(torch.uint8)
-    elif tensor.is_floating_point():
-        tensor = tensor.to(torch.uint8)  # empty: reported by the shape checks
     elif tensor.dtype != torch.uint8:
         raise ValueError(f"{where}: torch tensors must be uint8 or float in [0, 1], got {tensor.dtype}.")
     return tensor.numpy()
@@ -398,6 +396,7 @@ def _image_from_array(array: np.ndarray, channel_format: ChannelDimension | None
     """A PIL image from an HxW, HxWxC or CxHxW uint8 array (C in 1, 3, 4), the layout given or read from the shape."""
     if array.dtype != np.uint8:
         raise ValueError(f"{where}: numpy arrays must be uint8 (0-255), got dtype {array.dtype}.")
+    shape = array.shape
     if array.ndim == 3:
         layout = channel_format or _channel_format_from_shape(array.shape, where)
         array = np.moveaxis(array, 0, -1) if layout == ChannelDimension.FIRST else array
@@ -405,11 +404,11 @@ def _image_from_array(array: np.ndarray, channel_format: ChannelDimension | None
         array = array[:, :, None]
     if array.ndim != 3 or array.shape[2] not in _MODE_FOR_CHANNELS:
         raise ValueError(
-            f"{where}: arrays must be HxW, or HxWxC / CxHxW with C in 1, 3, 4; got shape {array.shape}"
+            f"{where}: arrays must be HxW, or HxWxC / CxHxW with C in 1, 3, 4; got shape {shape}"
             + (f" read as {channel_format.value}." if channel_format else ".")
         )
     if array.shape[0] == 0 or array.shape[1] == 0:
-        raise ValueError(f"{where} is empty (shape {array.shape}).")
+        raise ValueError(f"{where} is empty (shape {shape}).")
     channels = array.shape[2]
     pixels = array[:, :, 0] if channels == 1 else array
     return Image.fromarray(np.ascontiguousarray(pixels), mode=_MODE_FOR_CHANNELS[channels])

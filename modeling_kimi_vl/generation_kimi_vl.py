@@ -394,6 +394,13 @@ class KimiVLStaticGenerationMixin:
         # transformers' own parameters, in its positional order: read them by name without reordering anything.
         request = GENERATE_SIGNATURE.bind(self, inputs, generation_config, *args, **kwargs)
         extra_kwargs = request.arguments.get("kwargs", {})
+        # Checked here, on the prompt as given: transformers' `generate` drops an all-ones attention_mask (whatever
+        # its length) and derives positions from it before the model sees either.
+        self.check_prompt_inputs(
+            inputs if inputs is not None else extra_kwargs.get("input_ids"),
+            extra_kwargs.get("attention_mask"),
+            extra_kwargs.get("inputs_embeds"),
+        )
         config = generation_config if generation_config is not None else self.generation_config
         cache_implementation = extra_kwargs.get("cache_implementation", config.cache_implementation)
         if cache_implementation != "static" or request.arguments.get("custom_generate") is not None:

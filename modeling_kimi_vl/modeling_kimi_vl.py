@@ -514,6 +514,39 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         order = [image for images in images_per_prompt for _ in range(expand_size) for image in images]
         return torch.cat([patches[image] for image in order]), image_grid_hws[order]
 
+    def check_prompt_inputs(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.FloatTensor | None = None,
+    ) -> None:
+        """Reject a prompt the language model cannot take, naming the numbers, before anything runs.
+
+        Ids outside the vocabulary would fail inside the embedding lookup (on CUDA as a device-side assert, which
+        ends the process), and a 2-D attention mask of another shape would fail later or mask the wrong tokens.
+        Called once per prompt, never in a decode step (the id range costs one host read): by `generate` on the
+        prompt as given (plain and static paths), and by `forward` when it gets no cache (a whole sequence, e.g.
+        `model(**inputs)` or training).
+        """
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None:
+            return
+        if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape != tokens.shape[:2]:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the prompt is {tokens.shape[0]} x "
+                f"{tokens.shape[1]} tokens; it needs one entry per token of input_ids (or inputs_embeds)."
+            )
+        if input_ids is None or input_ids.numel() == 0:
+            return
+        vocab_size = self.config.text_config.vocab_size
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # the one host read
+        if low < 0 or high >= vocab_size:
+            outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)].unique()
+            raise ValueError(
+                f"input_ids hold {outside.numel()} distinct id(s) outside the vocabulary [0, {vocab_size}), e.g. "
+                f"{outside[:5].tolist()}; use the model's own tokenizer."
+            )
+
     def embed_inputs(
         self,
         input_ids: torch.LongTensor | None,
@@ -555,9 +588,11 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         past_key_values (`Cache`):
             The language model's cache (transformers >= 5.24 also accepts it under its new name, `cache`).
         """
-        inputs_embeds = self.embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hws)
         # generate() on transformers >= 5.24 hands the cache over as `cache`; earlier releases as `past_key_values`.
         cache = kwargs.pop(CACHE_ARGUMENT, past_key_values)
+        if cache is None:  # a whole sequence; `generate` checks its prompt itself and decodes with a cache
+            self.check_prompt_inputs(input_ids, attention_mask, inputs_embeds)
+        inputs_embeds = self.embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hws)
         return self.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from image_processing.tokenization_kimi_vl import SANITIZING_SUPPORTED
+from image_processing import SANITIZING_SUPPORTED
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Gradio's import, building the tiny checkpoint and loading it take ~15 s on a 2-core machine; this is generous.

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import app
 from demo_server import running_demo
-from image_processing.tokenization_kimi_vl import SANITIZING_SUPPORTED
+from image_processing import SANITIZING_SUPPORTED
 
 LIMITS = app.InputLimits(max_images=2, max_image_mb=1.0, max_conversation_image_mb=64.0)
 

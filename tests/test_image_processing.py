@@ -370,7 +370,7 @@ def test_layout_of_arrays_and_tensors_is_given_or_unambiguous():
         assert torch.equal(KimiVLImageProcessor()(image)["pixel_values"], expected)
     with pytest.raises(ValueError, match=r"`input_data_format` must be 'channels_first' or 'channels_last'"):
         KimiVLImageProcessor()(array, input_data_format="hwc")
-    with pytest.raises(ValueError, match=r"got shape \(30, 3, 20\) read as channels_first"):
+    with pytest.raises(ValueError, match=r"got shape \(20, 30, 3\) read as channels_first"):
         KimiVLImageProcessor()(array, input_data_format="channels_first")
 
 
