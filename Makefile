@@ -54,6 +54,7 @@ bench: venv
 	$(PY) benchmarks/bench_generate.py
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py
 	$(PY) benchmarks/bench_hub_export_memory.py
+	$(PY) benchmarks/bench_demo_memory.py
 
 clean:
 	rm -rf $(VENV) $(TINY_DIR) build *.egg-info

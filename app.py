@@ -15,6 +15,8 @@ The logic lives in plain functions (image checks, prompt building, chat display,
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import sys
 import threading
@@ -26,10 +28,10 @@ from typing import Iterator
 
 import gradio as gr
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from image_processing import KimiVLProcessor, split_thinking
+from image_processing import SANITIZING_SUPPORTED, KimiVLProcessor, split_thinking
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl, write_tiny_checkpoint
 
@@ -37,6 +39,22 @@ DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
 TINY_MODEL = "tiny"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kimi-vl-hf"
 SUPPORTED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+# Uploads are kept in Gradio's cache while a conversation may still show them, then deleted: every hour, the files
+# older than a day ((frequency, age) in seconds, Gradio's `delete_cache`).
+UPLOAD_CACHE_CLEANUP = (3600, 24 * 3600)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (which has `malloc_trim`); None elsewhere (macOS, musl, Windows)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - an AttributeError here means: not glibc
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+LIBC = _glibc()
 
 
 def log(message: str) -> None:
@@ -79,6 +97,7 @@ class InputError(ValueError):
 class InputLimits:
     max_images: int  # per message
     max_image_mb: float  # per image file
+    max_conversation_image_mb: float  # the pixel values the model takes, for all images of one conversation
 
 
 @contextmanager
@@ -96,9 +115,10 @@ def image_errors(path: Path) -> Iterator[None]:
         ) from error
 
 
-def check_image(path: str | Path, limits: InputLimits) -> None:
+def check_image(path: str | Path, limits: InputLimits) -> tuple[int, int]:
     """Cheap checks of one upload, without decoding its pixels: file size, a supported format, the pixel count, and
-    the file's own integrity checks where the format has them (PNG's checksums). InputError says what is wrong."""
+    the file's own integrity checks where the format has them (PNG's checksums). Returns the image's (width, height),
+    read from its header; InputError says what is wrong."""
     path = Path(path)
     try:
         megabytes = path.stat().st_size / 2**20
@@ -121,6 +141,7 @@ def check_image(path: str | Path, limits: InputLimits) -> None:
                     f"{Image.MAX_IMAGE_PIXELS} pixels."
                 )
             opened.verify()
+            return opened.width, opened.height
 
 
 def check_images(paths: list[str], limits: InputLimits) -> None:
@@ -132,12 +153,14 @@ def check_images(paths: list[str], limits: InputLimits) -> None:
 
 
 def load_image(path: str | Path, limits: InputLimits) -> Image.Image:
-    """Check, then fully decode one image; InputError if either fails (a truncated JPEG passes the checks)."""
+    """Check, then fully decode one image (the first frame of an animation), upright as its EXIF orientation says, as
+    the image processor opens files; InputError if either fails (a truncated JPEG passes the checks)."""
     check_image(path, limits)
     path = Path(path)
     with image_errors(path), Image.open(path, formats=SUPPORTED_IMAGE_FORMATS) as opened:
-        opened.load()
-        return opened.copy()
+        opened.load()  # the pixels now live in memory; closing the file (leaving the block) keeps them
+        ImageOps.exif_transpose(opened, in_place=True)  # a phone photo stored sideways is shown upright
+    return opened
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
@@ -407,6 +430,16 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def expand_image_placeholders(text_ids: list[int], placeholder_id: int, image_tokens: list[int]) -> list[int]:
+    """The prompt's token ids with each image's one placeholder repeated to that image's token count, in image order
+    (what the processor does to `<|media_pad|>` in text, here on ids that are already sanitised)."""
+    counts = iter(image_tokens)
+    expanded = []
+    for token_id in text_ids:
+        expanded.extend([token_id] * next(counts) if token_id == placeholder_id else [token_id])
+    return expanded
+
+
 @dataclass
 class PreparedPrompt:
     inputs: dict
@@ -414,10 +447,31 @@ class PreparedPrompt:
     new_images: list[ImageInfo] = field(default_factory=list)  # the images of the turn being answered
 
 
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image as the model takes it. Each image is decoded once per conversation, into this; the full-size decode
+    is dropped at once, and these are kept (in the session's state) for the turns that follow."""
+
+    pixel_values: torch.Tensor  # [patches, 3, patch, patch], in the model's dtype, on the CPU
+    grid_hw: tuple[int, int]
+    width: int
+    height: int
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
+
+
 class ChatEngine:
     def __init__(
         self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits, ignore_eos: bool = False
     ):
+        if not SANITIZING_SUPPORTED:  # every prompt is built with it: the demo would fail on the first question
+            raise RuntimeError(
+                "The demo encodes control tokens that users type as plain text, with transformers' "
+                "apply_chat_template(sanitize_control_tokens=True), which this transformers release does not have "
+                "(5.24 has it): pip install -U 'transformers>=5.24'"
+            )
         self.checkpoint = checkpoint
         self.limits = limits
         # True: the end-of-turn token is never chosen, so every answer runs until Stop or the max new tokens setting.
@@ -429,6 +483,7 @@ class ChatEngine:
         self.model.eval()
         self.context_length = self.model.config.text_config.max_position_embeddings
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.image_placeholder_id = self.model.config.media_placeholder_token_id
         pad_token_id = self.processor.tokenizer.pad_token_id
         self.pad_token_id = self.end_of_turn_id if pad_token_id is None else pad_token_id
         # Generation runs in its own thread; this lock keeps it one at a time even if a finished request's thread
@@ -439,33 +494,87 @@ class ChatEngine:
     def default_settings(self) -> GenerationSettings:
         return DEFAULT_SETTINGS[self.checkpoint.kind]
 
-    def prepare(self, history: list[dict], max_new_tokens: int) -> PreparedPrompt:
-        """Decode the conversation's images and tokenize it with them; InputError if it cannot be answered.
+    def prepare(
+        self, history: list[dict], max_new_tokens: int, prepared_images: dict[str, PreparedImage]
+    ) -> PreparedPrompt:
+        """Tokenize the conversation with its images; InputError if it cannot be answered.
 
-        Runs in the queued handler, one generation at a time; the decoded images live only as long as this call, and
-        the prompt keeps the processor's pixel values, which it has downsized to the model's token budget per image.
+        Sizes first, pixels last: the prompt's length and the conversation's image budget are worked out from the
+        image files' headers, with the image processor's own resize rule, and checked before any image is decoded.
+        Then each image not in `prepared_images` (this conversation's images, kept from earlier turns) is decoded
+        and turned into pixel values, one image at a time, and added to it; images no longer in the conversation are
+        dropped from it. Runs in the queued handler, one generation at a time.
         """
         messages, image_paths = model_conversation(history)
-        images = [load_image(path, self.limits) for path in image_paths]
-        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        try:
-            inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
-        except ValueError as error:  # the processor names what it cannot handle, e.g. an extreme aspect ratio
-            raise InputError(f"The images could not be prepared for the model: {error}") from error
-        prompt_tokens = inputs["input_ids"].shape[1]
-        check_context(prompt_tokens, max_new_tokens, self.context_length)
-
-        new_paths = history[-1]["images"]
-        grids = inputs["image_grid_hws"].tolist()[len(images) - len(new_paths) :] if new_paths else []
-        merge_rows, merge_cols = self.model.config.vision_config.merge_kernel_size
-        new_images = [
-            ImageInfo(Path(path).name, image.width, image.height, rows, cols, rows * cols // (merge_rows * merge_cols))
-            for path, image, (rows, cols) in zip(new_paths, images[len(images) - len(new_paths) :], grids)
+        # Turns dropped by Regenerate, or refused after their images were decoded, take their images with them.
+        for path in prepared_images.keys() - set(image_paths):
+            del prepared_images[path]
+        sizes = [
+            prepared_images[path].size if path in prepared_images else check_image(path, self.limits)
+            for path in image_paths
         ]
-        inputs = inputs.to(self.model.device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
-        return PreparedPrompt(dict(inputs), prompt_tokens, new_images)
+        # As stored: an EXIF orientation that turns an image a quarter (decoding honours it) swaps its grid's rows and
+        # columns, which leaves its token count as it is.
+        image_processor = self.processor.image_processor
+        grids = [image_processor.get_image_grid_hw(height, width) for width, height in sizes]
+        image_tokens = [self.processor.tokens_per_image(grid) for grid in grids]
+        # What users type is data, never chat structure: control tokens in it are encoded as plain text, so that only
+        # the template's own markers end turns or stand for images.
+        text_ids = self.processor.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
+        )
+        if text_ids.count(self.image_placeholder_id) != len(image_paths):  # the template writes one per image
+            raise RuntimeError(f"the prompt has {text_ids.count(self.image_placeholder_id)} image placeholders for "
+                               f"{len(image_paths)} images")
+        # Each image's one placeholder in the text becomes its image tokens.
+        prompt_tokens = len(text_ids) - len(image_paths) + sum(image_tokens)
+        check_context(prompt_tokens, max_new_tokens, self.context_length)
+        self.check_image_budget(grids)
+
+        for path in image_paths:
+            if path not in prepared_images:
+                prepared_images[path] = self.prepare_image(path)
+        images = [prepared_images[path] for path in image_paths]
+        image_tokens = [self.processor.tokens_per_image(image.grid_hw) for image in images]
+        input_ids = expand_image_placeholders(text_ids, self.image_placeholder_id, image_tokens)
+        inputs = {"input_ids": [input_ids], "attention_mask": [[1] * len(input_ids)]}
+        if images:
+            inputs["pixel_values"] = torch.cat([image.pixel_values for image in images])
+            inputs["image_grid_hws"] = [image.grid_hw for image in images]
+        first_new = len(image_paths) - len(history[-1]["images"])  # the turn being answered comes last
+        new_images = [
+            ImageInfo(Path(path).name, image.width, image.height, *image.grid_hw, tokens)
+            for path, image, tokens in zip(image_paths[first_new:], images[first_new:], image_tokens[first_new:])
+        ]
+        inputs = {name: torch.as_tensor(value).to(self.model.device) for name, value in inputs.items()}
+        return PreparedPrompt(inputs, len(input_ids), new_images)
+
+    def check_image_budget(self, grids: list[tuple[int, int]]) -> None:
+        """InputError if the conversation's images, as pixel values, would take more than the per-conversation limit:
+        they are kept for the whole conversation, so the limit bounds what one conversation holds."""
+        patch_size = self.processor.image_processor.patch_size
+        bytes_per_patch = 3 * patch_size * patch_size * self.model.dtype.itemsize
+        megabytes = sum(rows * cols for rows, cols in grids) * bytes_per_patch / 2**20
+        if megabytes > self.limits.max_conversation_image_mb:
+            raise InputError(
+                f"The {len(grids)} images of this conversation would take {megabytes:.1f} MB once prepared for the "
+                f"model; a conversation may hold at most {self.limits.max_conversation_image_mb:g} MB of images. "
+                "Clear the chat to start a new conversation, or send fewer images."
+            )
+
+    def prepare_image(self, path: str) -> PreparedImage:
+        """Decode one image and turn it into the model's pixel values; the decoded image is released on return."""
+        image = load_image(path, self.limits)
+        width, height = image.size
+        try:
+            processed = self.processor.image_processor(image, return_tensors="pt")
+        except ValueError as error:  # the processor names what it cannot handle, e.g. an extreme aspect ratio
+            raise InputError(f"`{Path(path).name}` could not be prepared for the model: {error}") from error
+        finally:
+            image.close()  # frees the full-size pixels now, not whenever the garbage collector runs
+        [grid_hw] = processed["image_grid_hws"].tolist()
+        pixel_values = processed["pixel_values"].to(self.model.dtype)
+        return PreparedImage(pixel_values, tuple(grid_hw), width, height)
 
     def stream(
         self, prepared: PreparedPrompt, settings: GenerationSettings, monitor: GenerationMonitor
@@ -512,6 +621,65 @@ class ChatEngine:
             raise RuntimeError(f"generation failed: {failures[0]}") from failures[0]
 
 
+def answer_turn(
+    engine: ChatEngine,
+    history: list[dict],
+    prepared_images: dict[str, PreparedImage],
+    stop_requested: threading.Event,
+    settings: GenerationSettings,
+) -> Iterator[list[dict]]:
+    """The queued handler's work: answer the last user turn of `history` (changed in place), yielding it as the answer
+    grows. `prepared_images` is the conversation's images as the model takes them (see `ChatEngine.prepare`). When the
+    turn ends, however it ends, the memory it used is handed back."""
+    if not awaits_answer(history):
+        yield history
+        return
+    answer = {"role": "assistant", "text": "", "status": "streaming", "stats_title": "", "stats": ""}
+    if stop_requested.is_set():  # Stop was pressed while this request waited in the queue
+        answer["status"] = "stopped"
+        history.append(answer)
+        yield history
+        return
+    prepared = None
+    try:
+        try:
+            prepared = engine.prepare(history, settings.max_new_tokens, prepared_images)
+        except InputError as error:
+            history[-1]["accepted"] = False
+            history.append(notice(f"{error} The message was not sent; the conversation goes on without it."))
+            yield history
+            return
+
+        history.append(answer)
+        monitor = GenerationMonitor(stop_requested)
+        try:
+            for text in engine.stream(prepared, settings, monitor):
+                answer["text"] = text
+                yield history
+            answer["status"] = answer_status(monitor, engine.end_of_turn_id)
+        except RuntimeError as error:
+            answer["status"] = "failed"
+            history.append(notice(f"The model failed while answering: {error}. You can try again."))
+        answer["stats_title"], answer["stats"] = format_stats(
+            prepared.new_images, prepared.prompt_tokens, engine.context_length, monitor
+        )
+        yield history
+    finally:
+        prepared = None  # the turn's model inputs (a copy of its pixel values, on the model's device)
+        release_memory()
+
+
+def release_memory() -> None:
+    """Hand memory that a finished turn freed back to the system. Decoded images and the turn's tensors are freed
+    when their last reference goes, but the C allocator keeps freed blocks for reuse: without trimming, resident
+    memory stays near the turn's peak (measured in benchmarks/bench_demo_memory.py)."""
+    gc.collect()  # reference cycles (e.g. through a traceback of a failed turn) that still hold tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The page
 # ---------------------------------------------------------------------------------------------------------------------
@@ -548,40 +716,16 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         return *lock_controls(True, value=None), history, chatbot_messages(history), threading.Event()
 
     def respond(
-        history: list[dict], stop_requested: threading.Event, max_new_tokens: int, temperature: float, top_p: float
+        history: list[dict],
+        prepared_images: dict[str, PreparedImage],
+        stop_requested: threading.Event,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
     ):
-        if not awaits_answer(history):
-            yield history, chatbot_messages(history)
-            return
-        answer = {"role": "assistant", "text": "", "status": "streaming", "stats_title": "", "stats": ""}
-        if stop_requested.is_set():  # Stop was pressed while this request waited in the queue
-            answer["status"] = "stopped"
-            history.append(answer)
-            yield history, chatbot_messages(history)
-            return
         settings = GenerationSettings(int(max_new_tokens), float(temperature), float(top_p))
-        try:
-            prepared = engine.prepare(history, settings.max_new_tokens)
-        except InputError as error:
-            history[-1]["accepted"] = False
-            history.append(notice(f"{error} The message was not sent; the conversation goes on without it."))
-            yield history, chatbot_messages(history)
-            return
-
-        history.append(answer)
-        monitor = GenerationMonitor(stop_requested)
-        try:
-            for text in engine.stream(prepared, settings, monitor):
-                answer["text"] = text
-                yield history, chatbot_messages(history)
-            answer["status"] = answer_status(monitor, engine.end_of_turn_id)
-        except RuntimeError as error:
-            answer["status"] = "failed"
-            history.append(notice(f"The model failed while answering: {error}. You can try again."))
-        answer["stats_title"], answer["stats"] = format_stats(
-            prepared.new_images, prepared.prompt_tokens, engine.context_length, monitor
-        )
-        yield history, chatbot_messages(history)
+        for history in answer_turn(engine, history, prepared_images, stop_requested, settings):
+            yield history, chatbot_messages(history), prepared_images
 
     def stop(stop_requested: threading.Event | None) -> None:
         if stop_requested is not None:  # None: nothing was asked in this session yet
@@ -592,12 +736,14 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         return *lock_controls(True), history, chatbot_messages(history), threading.Event()
 
     def clear():
-        return [], []
+        return [], [], {}
 
-    with gr.Blocks(title="Kimi-VL demo") as demo:
+    with gr.Blocks(title="Kimi-VL demo", delete_cache=UPLOAD_CACHE_CLEANUP) as demo:
         gr.Markdown("# Kimi-VL\nAsk about one or more images: upload, paste or drag them into the box below.")
         gr.Markdown(banner_markdown(engine.checkpoint), elem_id="model-banner")
         history = gr.State([])
+        # The conversation's images as the model takes them (path -> PreparedImage), filled by the queued handler.
+        prepared_images = gr.State({})
         stop_requested = gr.State(None)
         chatbot = gr.Chatbot(label="Chat", height=520, elem_id="chat")
         textbox = gr.MultimodalTextbox(
@@ -626,7 +772,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
             # Every generation shares one slot ("model"), so the model serves one at a time and the queue shows the
             # others their position.
             answered = event.then(
-                respond, [history, stop_requested, *settings], [history, chatbot],
+                respond, [history, prepared_images, stop_requested, *settings], [history, chatbot, prepared_images],
                 concurrency_limit=1, concurrency_id="model", api_name=api_name,
             )
             answered.then(lambda: lock_controls(False), None, controls, api_visibility="private")
@@ -641,7 +787,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         )
         then_respond(regenerated, api_name="regenerate_respond")
         stop_button.click(stop, stop_requested, None, queue=False, api_name="stop")
-        clear_button.click(clear, None, [history, chatbot], queue=False, api_visibility="private")
+        clear_button.click(clear, None, [history, chatbot, prepared_images], queue=False, api_visibility="private")
     return demo
 
 
@@ -664,6 +810,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
+    parser.add_argument("--max-conversation-image-mb", type=float, default=512.0,
+                        help="most memory the images of one conversation may take once prepared for the model; each "
+                             "image is decoded once and kept as pixel values for the following turns (default 512)")
     parser.add_argument("--queue-size", type=int, default=16, help="most requests waiting for the model (default 16)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="never end an answer at the end-of-turn token: every answer runs until Stop or the max new "
@@ -671,7 +820,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                         help=f"where the tiny demo checkpoint is built (default {DEFAULT_CACHE_DIR})")
     args = parser.parse_args(argv)
-    for name in ("max_image_mb", "max_images", "queue_size"):
+    for name in ("max_image_mb", "max_images", "max_conversation_image_mb", "queue_size"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -684,12 +833,15 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     checkpoint = resolve_checkpoint(args.model, args.cache_dir)
-    limits = InputLimits(args.max_images, args.max_image_mb)
+    limits = InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
     engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos)
     log(f"ready: {checkpoint.name} ({checkpoint.kind}), context {engine.context_length} tokens")
     demo = build_demo(engine)
     demo.queue(max_size=args.queue_size)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share)
+    # Gradio refuses larger uploads itself (HTTP 413) before storing them; add_message names the limit for those that
+    # arrive another way.
+    max_upload_bytes = int(args.max_image_mb * 2**20)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, max_file_size=max_upload_bytes)
 
 
 if __name__ == "__main__":

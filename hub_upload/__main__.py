@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import signal
 import sys
 import time
 
@@ -28,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--overwrite", action="store_true", help="replace an existing --out folder that is an earlier export or empty"
+    )
+    export.add_argument(
+        "--delete-added-files",
+        action="store_true",
+        help="with --overwrite: also delete what was added to the earlier export (files no export writes); without "
+        "it such an export is left alone and the added files are listed",
     )
     export.add_argument(
         "--no-verify",
@@ -79,6 +86,7 @@ def run_export(args: argparse.Namespace) -> None:
         args.out,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
+        delete_added_files=args.delete_added_files,
         verify=args.verify,
         verify_timeout=args.verify_timeout,
         card=ModelCardInfo(license=args.license, base_model=args.base_model, repo_id=args.repo_id),
@@ -107,13 +115,29 @@ def run_push(args: argparse.Namespace) -> None:
     print(f"committed {commit.oid}: {commit.commit_url}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (from `kill`, systemd, a job scheduler), raised where the command is, like Ctrl+C's KeyboardInterrupt:
+    the same clean-up runs (an export removes its temporary folder and stops its verification child)."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         (run_export if args.command == "export" else run_push)(args)
     except (ExportInputError, ExportVerificationError, PushError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        stopped_by = signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT
+        print(f"error: stopped by {stopped_by.name} before the {args.command} finished", file=sys.stderr)
+        return 128 + stopped_by  # the shell's code for a process ended by that signal
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     return 0
 
 

@@ -5,19 +5,23 @@
     check_export_folder        the structural checks `push` applies
     verify_export              a fresh interpreter that cannot import our packages loads it through the Auto classes
     publish                    rename into place; with --overwrite, the old target (an earlier export or an empty
-                               folder, nothing else) is first moved into an aside folder
+                               folder, nothing else; an export holding files that no export writes only with
+                               --delete-added-files as well) is first moved into an aside folder
                                `.NAME.kimi-vl-export-old-XXXXXXXX` (8 random hex digits) and deleted afterwards
 
-Any failure or interrupt (KeyboardInterrupt included) before the new folder is in place removes the temp folder and
-leaves the target as it was. What can stay behind: a process killed outright leaves its `.NAME.partial-*` temp folder,
-and one killed or interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was
-not in place yet, partly deleted if it was). The next export to the same target settles aside folders of exactly that
-name form first, and touches no other folder: if the target exists, the aside folder was already replaced and is
-deleted; if the target is missing, the old folder goes back into place when it is a complete export (as
-`check_export_folder` says), and is otherwise left where it is, named in a warning (until a later export, with the
-target then in place, deletes it as above).
+Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the
+new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
+outright leaves its temp folder `.NAME.partial-XXXXXXXX` (`tempfile.mkdtemp`'s 8 random characters), and one killed or
+interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was not in place
+yet, partly deleted if it was). The next export to the same target cleans up both first, touching no folder of any
+other name. A temp folder is deleted unless a running export holds the lock (`flock`) that each export takes on its
+own temp folder until it ends (the system releases the lock of a killed process). Aside folders are settled: if the
+target exists, the aside folder was already replaced and is deleted; if the target is missing, the old folder goes
+back into place when it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named
+in a warning (until a later export, with the target then in place, deletes it as above).
 """
 
+import fcntl
 import glob
 import json
 import os
@@ -39,11 +43,10 @@ from .remote_code import (
     flat_code_files,
 )
 from .source import (
+    CARRIED_FILE_NAMES,
     CHAT_TEMPLATE_NAME,
     CONFIG_NAME,
-    GENERATION_CONFIG_NAME,
     PREPROCESSOR_CONFIG_NAME,
-    SPECIAL_TOKENS_MAP_NAME,
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_MODEL_NAME,
     ExportInputError,
@@ -56,6 +59,7 @@ from .weights import INDEX_NAME, parse_size, plan_shards, read_header, write_sha
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 ASIDE_SUFFIX_BYTES = 4  # random hex suffix of the folder an overwritten target is moved into: 8 digits
 MODEL_CARD_NAME = "README.md"
+MAX_LISTED_ADDED = 10  # entries named in the refusal of an --overwrite that would delete files someone added
 REQUIRED_EXPORT_FILES = (
     CONFIG_NAME,
     PREPROCESSOR_CONFIG_NAME,
@@ -81,6 +85,7 @@ def export_checkpoint(
     *,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
+    delete_added_files: bool = False,
     verify: bool = True,
     verify_timeout: float = DEFAULT_VERIFY_TIMEOUT_S,
     card: ModelCardInfo | None = None,
@@ -90,8 +95,9 @@ def export_checkpoint(
     max_shard_bytes = parse_size(str(max_shard_size))
     code_files = flat_code_files()
 
+    _remove_abandoned_staging(out)
     _settle_interrupted_publish(out)
-    problems = _output_problems(source, out, overwrite)
+    problems = _output_problems(source, out, overwrite, delete_added_files, code_files)
     try:
         checkpoint = read_source(source)
     except ExportInputError as error:
@@ -100,8 +106,9 @@ def export_checkpoint(
         raise ExportInputError(source, problems)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
+    staging_lock = _lock_folder(staging)  # this export's own, until it ends: not abandoned (_remove_abandoned_staging)
     try:
         num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
         for path in staging.iterdir():
@@ -116,10 +123,14 @@ def export_checkpoint(
     except BaseException:  # KeyboardInterrupt included: never leave a half-written folder behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(staging_lock)
     return ExportResult(folder=out, files=files, num_shards=num_shards, verified=verify)
 
 
-def _output_problems(source: Path, out: Path, overwrite: bool) -> list[str]:
+def _output_problems(
+    source: Path, out: Path, overwrite: bool, delete_added_files: bool, code_files: dict[str, Path]
+) -> list[str]:
     if out == source or out.is_relative_to(source) or source.is_relative_to(out):
         return [f"--out {out} overlaps --source {source}; export into a separate folder"]
     if out.exists() and not out.is_dir():
@@ -133,7 +144,25 @@ def _output_problems(source: Path, out: Path, overwrite: bool) -> list[str]:
                 f"--out {out} holds files but is not a complete export ({'; '.join(not_an_export[:3])}); --overwrite "
                 "replaces only an earlier export or an empty folder, so it is left alone: choose another --out"
             ]
+        added = _added_entries(out, code_files)
+        if added and not delete_added_files:
+            listed = ", ".join(added[:MAX_LISTED_ADDED]) + (", ..." if len(added) > MAX_LISTED_ADDED else "")
+            return [
+                f"--out {out} is an earlier export, but it also holds {len(added)} entries that no export writes "
+                f"({listed}), which --overwrite would delete; move them elsewhere first, or pass --delete-added-files "
+                "as well to delete them"
+            ]
     return []
+
+
+def _added_entries(export: Path, code_files: dict[str, Path]) -> list[str]:
+    """Entries of a complete export that no export writes: what someone added (notes, evaluation results, a clone's
+    .git), folders marked with a trailing /. Files named as an export names its files count as the export's."""
+    written = {*REQUIRED_EXPORT_FILES, *CARRIED_FILE_NAMES, *code_files}
+    written.update(json.loads((export / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"].values())
+    return sorted(
+        entry.name + ("/" if entry.is_dir() else "") for entry in export.iterdir() if entry.name not in written
+    )
 
 
 def _write_export(
@@ -151,10 +180,9 @@ def _write_export(
     tokenizer_config = {key: value for key, value in checkpoint.tokenizer_config.items() if key != "chat_template"}
     tokenizer_config.update(auto_map=TOKENIZER_AUTO_MAP, tokenizer_class=TOKENIZER_CLASS.split(".")[-1])
     _write_json(folder / TOKENIZER_CONFIG_NAME, tokenizer_config)
-    # Carried over byte for byte (read_source made sure the tokenizer model is there; the others are optional).
-    for name in (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME, GENERATION_CONFIG_NAME):
-        if (checkpoint.folder / name).is_file():
-            shutil.copyfile(checkpoint.folder / name, folder / name)
+    # Carried over byte for byte, as read_source read and checked them (the tokenizer model, optional JSON files).
+    for name, content in checkpoint.carried_files.items():
+        (folder / name).write_bytes(content)
     # The checkpoint's own template wins (a fine-tune may have changed it); otherwise ours, which matches the release.
     chat_template = checkpoint.chat_template or CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
     (folder / CHAT_TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
@@ -184,6 +212,39 @@ def _publish(staging: Path, out: Path) -> None:
         os.rename(aside / out.name, out)
         raise
     shutil.rmtree(aside)
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _lock_folder(folder: Path) -> int:
+    """A file descriptor of `folder` holding an exclusive lock on it; the lock goes when the descriptor is closed or
+    the process ends, however it ends."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _remove_abandoned_staging(out: Path) -> None:
+    """Delete the temp folders of exports into `out` that were killed outright (see the module docstring): those of
+    exactly the form the export names them whose lock no running export holds."""
+    staging_name = re.compile(re.escape(_staging_prefix(out)) + "[a-z0-9_]{8}")  # tempfile.mkdtemp's random names
+    for staging in sorted(out.parent.glob(glob.escape(_staging_prefix(out)) + "*")):
+        if not staging_name.fullmatch(staging.name) or not staging.is_dir() or staging.is_symlink():
+            continue
+        try:
+            lock = _lock_folder(staging)
+        except BlockingIOError:  # a running export's
+            continue
+        try:
+            shutil.rmtree(staging)
+        finally:
+            os.close(lock)
 
 
 def _aside_prefix(out: Path) -> str:

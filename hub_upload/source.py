@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
@@ -27,6 +28,13 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 # Long lists (a checkpoint of the wrong model) are cut to this many lines per kind of problem.
 MAX_LISTED = 20
+# Carried into the export byte for byte when the source has them (the tokenizer model must be there, see read_source).
+CARRIED_FILE_NAMES = (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME, GENERATION_CONFIG_NAME)
+# Everything the export reads from the source: these names and the weight files (*.safetensors).
+READ_FILE_NAMES = (
+    CONFIG_NAME, TOKENIZER_CONFIG_NAME, PREPROCESSOR_CONFIG_NAME, PROCESSOR_CONFIG_NAME, CHAT_TEMPLATE_NAME,
+    INDEX_NAME, SINGLE_FILE_NAME, *CARRIED_FILE_NAMES,
+)
 
 
 class ExportInputError(ValueError):
@@ -47,6 +55,7 @@ class SourceCheckpoint:
     tokenizer_config: dict
     preprocessor_config: dict  # the image processor's settings, from whichever of the two files the folder has
     chat_template: str | None  # the checkpoint's own template, if it ships one
+    carried_files: dict[str, bytes]  # name -> content, of the CARRIED_FILE_NAMES the source has; JSON ones checked
 
 
 def read_source(folder: Path) -> SourceCheckpoint:
@@ -54,6 +63,9 @@ def read_source(folder: Path) -> SourceCheckpoint:
     folder = Path(folder)
     if not folder.is_dir():
         raise ExportInputError(folder, [f"{folder} is not a folder"])
+    unsafe = _unsafe_files(folder)
+    if unsafe:  # refused before any of them is opened: a link could lead to a secret, a device or a pipe
+        raise ExportInputError(folder, unsafe)
     problems: list[str] = []
     config = _read_json(folder / CONFIG_NAME, problems)
     tokenizer_config = _read_json(folder / TOKENIZER_CONFIG_NAME, problems)
@@ -61,6 +73,7 @@ def read_source(folder: Path) -> SourceCheckpoint:
     if not (folder / TOKENIZER_MODEL_NAME).is_file():
         problems.append(f"{TOKENIZER_MODEL_NAME} is missing (the tiktoken BPE ranks the tokenizer reads)")
     tensors = _read_weights(folder, problems)
+    carried_files = _read_carried_files(folder, problems)
     model_config = _check_config(config, problems) if config is not None else None
     if model_config is not None and tensors:
         _check_tensors_against_model(model_config, tensors, problems)
@@ -73,6 +86,7 @@ def read_source(folder: Path) -> SourceCheckpoint:
         tokenizer_config=tokenizer_config,
         preprocessor_config=preprocessor_config,
         chat_template=_read_chat_template(folder, tokenizer_config),
+        carried_files=carried_files,
     )
 
 
@@ -229,3 +243,48 @@ def _read_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
         return (folder / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template")
     return template if isinstance(template, str) else None
+
+
+def _unsafe_files(folder: Path) -> list[str]:
+    """The files the export would read that are not regular files inside `folder`, each named with the reason.
+
+    A symbolic link may point elsewhere only in a huggingface_hub cache snapshot (`.../snapshots/REVISION/`), whose
+    files link to the same repository's `blobs/` folder.
+    """
+    allowed = [folder.resolve()]
+    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+        allowed.append((folder.parent.parent / "blobs").resolve())
+    problems = []
+    for path in sorted(folder.iterdir()):
+        if path.name not in READ_FILE_NAMES and path.suffix != ".safetensors":
+            continue
+        target = path.resolve()
+        if not any(target.is_relative_to(root) for root in allowed):
+            problems.append(f"{path.name} links to {target}, outside the source folder; copy the file in instead")
+        elif not target.is_file():
+            problems.append(f"{path.name} is not a regular file")
+    return problems
+
+
+def _read_carried_files(folder: Path, problems: list[str]) -> dict[str, bytes]:
+    """The CARRIED_FILE_NAMES the source has, read whole; the JSON ones must parse, as transformers loads them."""
+    carried = {}
+    for name in CARRIED_FILE_NAMES:
+        path = folder / name
+        if not path.is_file():  # optional, or (the tokenizer model) reported missing by read_source
+            continue
+        if name.endswith(".json"):
+            content = _read_json(path, problems)
+            if content is not None and name == GENERATION_CONFIG_NAME:
+                _check_generation_config(content, problems)
+        carried[name] = path.read_bytes()
+    return carried
+
+
+def _check_generation_config(content: dict, problems: list[str]) -> None:
+    # Loading a model reads this file with GenerationConfig, which validates the values; a file it cannot parse is
+    # skipped without a word, so a broken one would pass a load test and be published.
+    try:
+        GenerationConfig.from_dict(content)
+    except (ValueError, TypeError) as error:
+        problems.append(f"{GENERATION_CONFIG_NAME} is not a valid generation config for transformers: {error}")

@@ -23,7 +23,17 @@ DEFAULT_VERIFY_TIMEOUT_S = 1800
 OUTPUT_TAIL_CHARS = 6000
 # Runs first in the child (`python -I -S -c BOOTSTRAP script args...`), then runs the script as __main__.
 BOOTSTRAP = """
-import importlib.abc, os, runpy, sys
+import ctypes, importlib.abc, os, runpy, signal, sys
+
+# Die with the parent: a parent killed outright (SIGKILL, out of memory) cannot stop this process itself. Linux only
+# (prctl PR_SET_PDEATHSIG = 1); elsewhere the parent's own clean-up (timeout, interrupt, SIGTERM) is what stops it.
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+except (AttributeError, OSError, TypeError):  # no prctl in this C library, or no C library to open this way
+    pass
+else:
+    if os.getppid() != int(os.environ["KIMI_VL_PARENT_PID"]):  # the parent was gone before the line above ran
+        sys.exit("the process that started this check has ended")
 
 class RefuseOwnPackages(importlib.abc.MetaPathFinder):
     forbidden = set(os.environ["KIMI_VL_FORBIDDEN_PACKAGES"].split(","))
@@ -48,7 +58,9 @@ class ExportVerificationError(RuntimeError):
 
 def run_isolated(script: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run `script` with `args` in a clean interpreter (see the module docstring); output is captured as text.
-    Raises subprocess.TimeoutExpired (after killing the child) if it runs longer than `timeout` seconds."""
+    Raises subprocess.TimeoutExpired (after killing the child) if it runs longer than `timeout` seconds; any other
+    exception while it runs (KeyboardInterrupt, SIGTERM's Terminated) kills it too, and on Linux it dies with this
+    process even when this one is killed outright."""
     with tempfile.TemporaryDirectory(prefix="kimi-vl-isolated-") as workdir:
         env = {
             **os.environ,
@@ -56,6 +68,7 @@ def run_isolated(script: Path, *args: str, timeout: float | None = None) -> subp
             "HF_MODULES_CACHE": str(Path(workdir) / "modules"),
             "KIMI_VL_SITE_PACKAGES": os.pathsep.join(site.getsitepackages()),
             "KIMI_VL_FORBIDDEN_PACKAGES": ",".join(OWN_PACKAGES),
+            "KIMI_VL_PARENT_PID": str(os.getpid()),
         }
         command = [sys.executable, "-I", "-S", "-c", BOOTSTRAP, str(Path(script).resolve()), *args]
         return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)

@@ -5,8 +5,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -259,6 +261,100 @@ def test_verification_that_hangs_is_stopped(source, tmp_path, monkeypatch, capsy
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+def export_process(source: Path, out: Path, tmp_path: Path) -> subprocess.Popen:
+    """`python -m hub_upload export` in its own process, as a user runs it, except that its verification child never
+    finishes by itself (it sleeps), so that only the export's handling can end it."""
+    hanging = tmp_path / "hanging.py"
+    hanging.write_text("import time\ntime.sleep(600)\n")
+    driver = (
+        "import sys\nfrom pathlib import Path\nimport hub_upload.verify\n"
+        f"hub_upload.verify.ISOLATED_CHECK_SCRIPT = Path({str(hanging)!r})\n"
+        "from hub_upload.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    command = [sys.executable, "-c", driver, "export", "--source", str(source), "--out", str(out)]
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while listed
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_if_running(pid: int) -> None:
+    """Leave no process behind when a test fails."""
+    if is_running(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def wait_until(condition, what: str, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting after {limit_s} s: {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_an_export_like_ctrl_c(source, tmp_path):
+    out = tmp_path / "out"
+    export = export_process(source, out, tmp_path)
+    wait_until(lambda: children(export.pid) or export.poll() is not None, "the verification child to start")
+    [verifier] = children(export.pid)
+    try:
+        export.send_signal(signal.SIGTERM)
+        _, stderr = export.communicate(timeout=120)
+        assert export.returncode == 128 + signal.SIGTERM, stderr
+        assert "error: stopped by SIGTERM before the export finished" in stderr
+        assert not is_running(verifier)  # stopped by the export on its way out
+        assert not out.exists() and leftovers(tmp_path) == []  # the temporary folder (a copy of the weights) is gone
+    finally:
+        stop_if_running(verifier)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_path):
+    export = export_process(source, tmp_path / "out", tmp_path)
+    wait_until(lambda: children(export.pid) or export.poll() is not None, "the verification child to start")
+    [verifier] = children(export.pid)
+    try:
+        export.kill()  # SIGKILL: nothing in the export runs any more
+        export.communicate()
+        wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
+    finally:
+        stop_if_running(verifier)
+    [abandoned] = leftovers(tmp_path)  # nothing could remove its temp folder (a full copy of the weights) ...
+    assert abandoned.startswith(".out.partial-")
+    export_checkpoint(source, tmp_path / "out", verify=False)
+    assert leftovers(tmp_path) == []  # ... until the next export into the same target
+
+
+def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
+    running = tmp_path / ".out.partial-abcd1234"
+    running.mkdir()
+    lock = export_module._lock_folder(running)  # as the export holding it does, until it ends
+    try:
+        export_checkpoint(source, tmp_path / "out", verify=False)
+        assert leftovers(tmp_path) == [running.name]
+    finally:
+        os.close(lock)
+    export_checkpoint(source, tmp_path / "out", verify=False, overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
 def test_reexport_is_idempotent(exported, tmp_path):
     again = tmp_path / "again"
     export_checkpoint(exported, again, verify=False)
@@ -348,6 +444,18 @@ BAD_SOURCES = {
         lambda folder: save_file({}, folder / "model.safetensors"),
         ["model.safetensors holds no tensors"],
     ),
+    "generation config that is not JSON": (
+        lambda folder: (folder / "generation_config.json").write_text('{"max_new_tokens": 8,'),
+        ["generation_config.json is not valid JSON"],
+    ),
+    "generation config that transformers refuses": (
+        lambda folder: (folder / "generation_config.json").write_text('{"max_new_tokens": -1}'),
+        ["generation_config.json is not a valid generation config for transformers: `max_new_tokens` must be"],
+    ),
+    "special tokens map that is not an object": (
+        lambda folder: (folder / "special_tokens_map.json").write_text('["<|im_end|>"]'),
+        ["special_tokens_map.json must hold a JSON object, found list"],
+    ),
     "truncated shard": (
         lambda folder: (folder / "model.safetensors").write_bytes(
             (folder / "model.safetensors").read_bytes()[:100_000]
@@ -368,6 +476,42 @@ def test_bad_source_is_refused_before_writing(case, source, tmp_path):
         assert message in str(caught.value)
     assert "nothing was written" in str(caught.value)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_files_that_are_not_regular_files_inside_the_source_are_refused_unread(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    secret = tmp_path / "secrets.json"
+    secret.write_text('{"token": "hf_secret"}')
+    (folder / "special_tokens_map.json").symlink_to(secret)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").symlink_to(os.path.relpath(secret, folder))  # relative links resolve too
+    (folder / "generation_config.json").unlink()
+    os.mkfifo(folder / "generation_config.json")  # reading it would wait forever
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert caught.value.problems == [
+        "generation_config.json is not a regular file",
+        f"special_tokens_map.json links to {secret}, outside the source folder; copy the file in instead",
+        f"tokenizer_config.json links to {secret}, outside the source folder; copy the file in instead",
+    ]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_exports_as_the_folder_does(exported, source, tmp_path):
+    """huggingface_hub's cache keeps a revision's files in snapshots/REVISION/ as links to the repository's blobs/."""
+    repository = tmp_path / "models--moonshotai--Kimi-VL-A3B-Instruct"
+    snapshot = repository / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repository / "blobs").mkdir()
+    for path in source.iterdir():
+        blob = repository / "blobs" / f"blob-{path.name}"
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    out = tmp_path / "out"
+    export_checkpoint(snapshot, out, verify=False)
+    assert sorted(path.name for path in out.iterdir()) == sorted(path.name for path in exported.iterdir())
+    for path in out.iterdir():
+        assert path.read_bytes() == (exported / path.name).read_bytes(), path.name
 
 
 def test_all_problems_in_one_error(source, tmp_path):
@@ -396,10 +540,28 @@ def test_overwrite_replaces_only_an_earlier_export_or_an_empty_folder(source, tm
     (out / "notes.txt").unlink()
     export_checkpoint(source, out, verify=False, overwrite=True)
     assert check_export_folder(out) == []
-    (out / "stale.txt").write_text("from an earlier export")  # still a complete export
-    export_checkpoint(source, out, verify=False, overwrite=True)
-    assert not (out / "stale.txt").exists() and check_export_folder(out) == []
     assert leftovers(tmp_path) == []
+
+
+def test_overwrite_of_an_export_that_someone_added_files_to_lists_them_and_needs_the_explicit_flag(
+    source, exported, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    shutil.copytree(exported, out)
+    (out / "NOTES.md").write_text("what we found")
+    (out / "eval_results").mkdir()
+    (out / "eval_results" / "mmmu.json").write_text("{}")
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert cli_main(["export", "--source", str(source), "--out", str(out), "--overwrite", "--no-verify"]) == 2
+    error = capsys.readouterr().err
+    assert "also holds 2 entries that no export writes (NOTES.md, eval_results/)" in error
+    assert "pass --delete-added-files as well to delete them" in error
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+    args = ["export", "--source", str(source), "--out", str(out), "--overwrite", "--delete-added-files", "--no-verify"]
+    assert cli_main(args) == 0
+    assert not (out / "NOTES.md").exists() and not (out / "eval_results").exists()
+    assert check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
 def test_next_export_settles_what_a_killed_publish_left(exported, source, tmp_path):
@@ -413,7 +575,8 @@ def test_next_export_settles_what_a_killed_publish_left(exported, source, tmp_pa
     # Killed while deleting the old target, the new one in place: what is left of the old one goes.
     (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out").mkdir(parents=True)
     (tmp_path / ".out.kimi-vl-export-old-4567ef89" / "out" / "config.json").write_text("{}")
-    export_checkpoint(source, out, verify=False, overwrite=True)
+    # (previous.txt, which marks the old export, is a file no export writes: deleting it needs delete_added_files.)
+    export_checkpoint(source, out, verify=False, overwrite=True, delete_added_files=True)
     assert not (out / "previous.txt").exists() and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
@@ -474,7 +637,7 @@ def test_interrupted_or_failed_export_leaves_target_as_it_was(failure, exported,
 
     monkeypatch.setattr(export_module, "verify_export", fail)
     with pytest.raises(failure):
-        export_checkpoint(source, out, overwrite=True)
+        export_checkpoint(source, out, overwrite=True, delete_added_files=True)
     assert sorted(path.name for path in out.iterdir()) == previous
     assert leftovers(tmp_path) == []
 
