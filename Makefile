@@ -8,8 +8,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 CHROMIUM ?= $(or $(KIMI_VL_CHROMIUM),/usr/bin/chromium)
 EXTRAS ?= test,demo
+# Where `make tiny` writes the tiny Kimi-VL (ignored by git).
+TINY_DIR ?= tiny-kimi-vl
 
-.PHONY: venv browser test demo bench clean
+.PHONY: venv browser test demo tiny bench clean
 
 venv: $(VENV)/.installed
 
@@ -34,6 +36,15 @@ test: venv browser
 # e.g. `make demo DEMO_ARGS="--model tiny"`; `python app.py --help` lists the options.
 demo: venv
 	$(PY) app.py $(DEMO_ARGS)
+
+# A complete tiny Kimi-VL in the original hub layout (random weights, so random answers) for trying every entry point
+# without the 32 GB model; rebuilt when what it is made from changes.
+tiny: $(TINY_DIR)/config.json
+
+$(TINY_DIR)/config.json: $(VENV)/.installed modeling_kimi_vl/tiny_checkpoint.py image_processing/tiny_tokenizer.py \
+		image_processing/chat_template.jinja $(wildcard tests/fixtures/reference_tiny/tiny_ref/*)
+	rm -rf $(TINY_DIR)
+	$(PY) -m modeling_kimi_vl.tiny_checkpoint $(TINY_DIR)
 
 # The CPU benchmarks; each prints a table and writes JSON (with the machine) to benchmarks/results/.
 # On one GPU: `bash benchmarks/gpu_check.sh`.

@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGES_ROOT = Path(__file__).resolve().parents[1]
 CODE_PACKAGES = (PACKAGES_ROOT / "modeling_kimi_vl", PACKAGES_ROOT / "image_processing")
 # Modules of those packages that are not needed to load or run the model: package inits and test helpers.
-NOT_SHIPPED = {"__init__.py", "tiny_tokenizer.py"}
+NOT_SHIPPED = {"__init__.py", "tiny_tokenizer.py", "tiny_checkpoint.py"}  # dev and test helpers
 CHAT_TEMPLATE_FILE = PACKAGES_ROOT / "image_processing" / "chat_template.jinja"
 
 CONFIG_CLASS = "configuration_kimi_vl.KimiVLConfig"
