@@ -301,3 +301,44 @@ def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_p
     assert "skipped 5 bad example(s) of 6" in capsys.readouterr().err
     assert len(trainer.train_dataset) == 1
     assert (output / "adapter_model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The README's parameter counts for the real A3B architecture (examples/finetune_memory.py, meta device)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_a3b_adapter_sizes_match_the_architecture():
+    import finetune_memory
+    from modeling_kimi_vl import kimi_vl_a3b_config
+
+    rank = 16
+    text = kimi_vl_a3b_config().text_config
+    hidden, heads = text.hidden_size, text.num_attention_heads
+
+    def lora(in_features, out_features):
+        return rank * (in_features + out_features)
+
+    attention = (
+        lora(hidden, heads * (text.qk_nope_head_dim + text.qk_rope_head_dim))  # q_proj
+        + lora(hidden, text.kv_lora_rank + text.qk_rope_head_dim)  # kv_a_proj_with_mqa
+        + lora(text.kv_lora_rank, heads * (text.qk_nope_head_dim + text.v_head_dim))  # kv_b_proj
+        + lora(heads * text.v_head_dim, hidden)  # o_proj
+    )
+
+    def mlp(intermediate):
+        return 2 * lora(hidden, intermediate) + lora(intermediate, hidden)
+
+    moe_layers = text.num_hidden_layers - text.first_k_dense_replace
+    expected = (
+        text.num_hidden_layers * attention
+        + text.first_k_dense_replace * mlp(text.intermediate_size)
+        + moe_layers * mlp(text.n_shared_experts * text.moe_intermediate_size)
+    )
+    # One rank-r pair per routed expert on each fused tensor: gate_up [E, 2I, H] and down [E, H, I].
+    experts = moe_layers * text.n_routed_experts * (
+        lora(hidden, 2 * text.moe_intermediate_size) + lora(text.moe_intermediate_size, hidden)
+    )
+    options = finetune_memory.choices(rank)
+    assert finetune_memory.trainable_parameters(options["LoRA (default)"])[0] == expected
+    assert finetune_memory.trainable_parameters(options["LoRA + --lora-experts"])[0] == expected + experts
