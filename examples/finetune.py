@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments, set_seed
 
 import image_processing  # noqa: F401 - registers the processor classes
 from image_processing import BadExample, KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
@@ -190,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Trainer:
     args = parse_args(argv)
+    set_seed(args.seed)  # before the adapter's random initialisation (the Trainer seeds only its own steps)
     # A local base is recorded by absolute path in the adapter's config, so the adapter loads from anywhere.
     model_path = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model
     processor = KimiVLProcessor.from_pretrained(model_path)

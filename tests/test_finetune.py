@@ -342,3 +342,20 @@ def test_a3b_adapter_sizes_match_the_architecture():
     options = finetune_memory.choices(rank)
     assert finetune_memory.trainable_parameters(options["LoRA (default)"])[0] == expected
     assert finetune_memory.trainable_parameters(options["LoRA + --lora-experts"])[0] == expected + experts
+
+
+def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layout(tiny_kimi_vl_dir, data_dir,
+                                                                                   tmp_path):
+    output = tmp_path / "full"
+    finetune.main(["--model", str(tiny_kimi_vl_dir), "--data", str(data_dir / "train.jsonl"), "--output", str(output),
+                   "--full", "--max-steps", "2", "--batch-size", "3", "--learning-rate", "1e-3"])  # fmt: skip
+    trained, info = KimiVLForConditionalGeneration.from_pretrained(output, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    base = KimiVLForConditionalGeneration.from_pretrained(tiny_kimi_vl_dir)
+    before, after = base.state_dict(), trained.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert any(name.startswith("language_model.") for name in changed)
+    assert not any(name.startswith(("vision_tower.", "multi_modal_projector.")) for name in changed)  # frozen
+    with safe_open(tiny_kimi_vl_dir / "model.safetensors", "pt") as original, \
+            safe_open(output / "model.safetensors", "pt") as written:  # fmt: skip
+        assert set(written.keys()) == set(original.keys())
