@@ -120,6 +120,9 @@ def training_arguments(args: argparse.Namespace, has_eval: bool) -> TrainingArgu
         remove_unused_columns=False,
         label_names=["labels"],  # a peft model's forward hides `labels` from the Trainer's signature inspection
         report_to="none",
+        # Said explicitly on a machine without an accelerator: only then does the Trainer run torchrun's processes
+        # as data-parallel CPU ranks (gloo) and accept --bf16 (CPU autocast).
+        use_cpu=not torch.accelerator.is_available(),
         dataloader_num_workers=args.dataloader_workers,
     )
 
