@@ -20,8 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments, set_seed
 
-import image_processing  # noqa: F401 - registers the processor classes
-from image_processing import BadExample, KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
+from image_processing import KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 
 # The default adapter: LoRA on every linear layer of the language model's blocks (the MLA projections, the dense MLPs
@@ -67,17 +66,24 @@ def prepare_model(model: KimiVLForConditionalGeneration, args: argparse.Namespac
             parameter.requires_grad_(not frozen)
         return model
     config = lora_config(args.lora_rank, args.lora_alpha, args.lora_experts, args.train_projector)
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)  # LoRA weights are float32 (peft's default) whatever the base's dtype
+    # peft copies the projector (--train-projector) in the base's dtype: train it in float32 as well. (Not peft's
+    # cast_mixed_precision_params: it would also cast the router weights the model keeps in float32 to bfloat16.)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, all) parameter counts; a peft model's wrapped base weights are counted once."""
+    """(trainable, all) parameters of the model as built (peft's trainable copy of the projector, with
+    --train-projector, counts beside the frozen original)."""
     trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
     return trainable, sum(parameter.numel() for parameter in model.parameters())
 
 
-def read_data(path: Path, processor: KimiVLProcessor, max_length: int, skip_bad: bool) -> tuple[list[dict], list]:
-    """The good examples of a JSONL file and its bad ones (skipped only with --skip-bad-examples)."""
+def read_data(path: Path, processor: KimiVLProcessor, max_length: int, skip_bad: bool) -> list[dict]:
+    """The examples of a JSONL file; SystemExit listing the bad ones unless --skip-bad-examples."""
     if not path.is_file():
         raise SystemExit(f"error: {path} is not a file (expected JSONL, one conversation per line).")
     examples, bad = load_chat_jsonl(path, processor, max_length)
@@ -92,7 +98,7 @@ def read_data(path: Path, processor: KimiVLProcessor, max_length: int, skip_bad:
         print("\n".join(f"  {path}:{problem}" for problem in bad), file=sys.stderr)
     if not examples:
         raise SystemExit(f"error: {path} has no usable example.")
-    return examples, bad
+    return examples
 
 
 def training_arguments(args: argparse.Namespace, has_eval: bool) -> TrainingArguments:
@@ -130,6 +136,8 @@ def training_arguments(args: argparse.Namespace, has_eval: bool) -> TrainingArgu
 def save_merged(model, processor: KimiVLProcessor, folder: Path) -> Path:
     """Fold the adapter into the base weights and save in the original layout with the processor's files."""
     merged = model.merge_and_unload()
+    # A projector trained in float32 on a bfloat16 base (--bf16 --train-projector) goes back to the base's dtype.
+    merged.multi_modal_projector.to(merged.get_input_embeddings().weight.dtype)
     merged.save_pretrained(folder)  # converts the fused experts back to the original per-expert keys
     save_processor_in_original_layout(processor, folder)
     return folder
@@ -203,8 +211,8 @@ def main(argv: list[str] | None = None) -> Trainer:
     model = KimiVLForConditionalGeneration.from_pretrained(model_path, dtype=dtype)
     max_length = args.max_length or model.config.text_config.max_position_embeddings
 
-    train_examples, _ = read_data(args.data, processor, max_length, args.skip_bad_examples)
-    eval_examples = read_data(args.eval_data, processor, max_length, args.skip_bad_examples)[0] if args.eval_data else None
+    train_examples = read_data(args.data, processor, max_length, args.skip_bad_examples)
+    eval_examples = read_data(args.eval_data, processor, max_length, args.skip_bad_examples) if args.eval_data else None
 
     model = prepare_model(model, args)
     trainable, total = count_parameters(model)
