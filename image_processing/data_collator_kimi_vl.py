@@ -82,7 +82,7 @@ def chat_pieces(processor: KimiVLProcessor, messages: Sequence[dict]) -> list[tu
 def encode_chat(processor: KimiVLProcessor, messages: Sequence[dict]) -> EncodedChat:
     """Tokenize one conversation with its images (placeholders expanded by the processor) and label its answers."""
     pieces = chat_pieces(processor, messages)
-    images = [load_image(image) if _is_url(image) else image for image in chat_images(messages)]
+    images = [_fetch(image) if _is_url(image) else image for image in chat_images(messages)]
     encoded = processor(text=[text for text, _ in pieces], images=images or None, padding=False)
     input_ids, labels = [], []
     for ids, (_, is_answer) in zip(encoded["input_ids"], pieces):
@@ -208,6 +208,13 @@ def _with_resolved_images(message: dict, folder: Path) -> dict:
                 item = {**item, "image": str(resolved)}
         items.append(item)
     return {**message, "content": items}
+
+
+def _fetch(url: str):
+    try:
+        return load_image(url)
+    except Exception as error:  # noqa: BLE001 - network, HTTP and decoding failures all mean "no image from here"
+        raise ValueError(f"image {url!r} could not be fetched and read: {error}") from error
 
 
 def _is_url(image) -> bool:

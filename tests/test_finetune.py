@@ -135,6 +135,21 @@ def test_collated_ids_are_the_whole_conversation_tokenized_with_images(processor
     assert batch["pixel_values"].shape[0] == sum(rows * cols for rows, cols in expected_grids)
 
 
+def test_unreachable_image_url_is_a_bad_example(processor, tmp_path):
+    unreachable = "http://127.0.0.1:9/no-image.png"  # the discard port: nothing listens there
+    path = write_jsonl(tmp_path / "urls.jsonl", [[user(image(unreachable), text("?")), assistant("x")]])
+    examples, bad = load_chat_jsonl(path, processor)
+    assert examples == [] and [problem.line for problem in bad] == [1]
+    assert f"image {unreachable!r} could not be fetched" in bad[0].reason
+
+
+def test_collator_is_not_shipped_with_exported_models():
+    from hub_upload.remote_code import flat_code_files
+
+    assert "data_collator_kimi_vl.py" not in flat_code_files()
+    assert "processing_kimi_vl.py" in flat_code_files()  # what it builds on is
+
+
 def test_collator_never_truncates(processor):
     collator = KimiVLDataCollator(processor, max_length=20)
     with pytest.raises(ValueError, match=r"example 0 of the batch is \d+ tokens .* longer than the maximum length 20"):
