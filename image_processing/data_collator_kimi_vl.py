@@ -68,7 +68,9 @@ def chat_pieces(processor: KimiVLProcessor, messages: Sequence[dict]) -> list[tu
         with_answer = render(messages[: index + 1])
         # Each turn's text must extend the previous one; a template that rewrites earlier turns cannot be cut this way.
         if not prompt.startswith(rendered) or not with_answer.startswith(prompt):
-            raise ValueError("the chat template does not render this conversation turn by turn; cannot find the answers.")
+            raise ValueError(
+                "the chat template does not render this conversation turn by turn; cannot find the answers."
+            )
         pieces += [(prompt[len(rendered) :], False), (with_answer[len(prompt) :], True)]
         rendered = with_answer
     if not pieces:
