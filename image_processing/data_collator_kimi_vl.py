@@ -89,9 +89,8 @@ def encode_chat(processor: KimiVLProcessor, messages: Sequence[dict]) -> Encoded
     input_ids, labels = [], []
     for ids, (_, is_answer) in zip(encoded["input_ids"], pieces):
         input_ids += ids
-        labels += [
-            token if is_answer and token != processor.image_token_id else IGNORE_INDEX for token in ids
-        ]  # fmt: skip
+        # Answers are labelled, except for image placeholders (an assistant turn may hold images too).
+        labels += [token if is_answer and token != processor.image_token_id else IGNORE_INDEX for token in ids]
     return EncodedChat(input_ids, labels, encoded.get("pixel_values"), encoded.get("image_grid_hws"))
 
 
