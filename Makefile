@@ -56,4 +56,4 @@ bench: venv
 	$(PY) benchmarks/bench_hub_export_memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TINY_DIR) build *.egg-info

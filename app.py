@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -31,14 +29,9 @@ import torch
 from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from image_processing import (
-    KimiVLImageProcessor,
-    KimiVLProcessor,
-    KimiVLTokenizer,
-    split_thinking,
-    write_tiny_tokenizer,
-)
-from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+from image_processing import KimiVLProcessor, split_thinking
+from modeling_kimi_vl import KimiVLForConditionalGeneration
+from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl, write_tiny_checkpoint
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
 TINY_MODEL = "tiny"
@@ -357,95 +350,20 @@ class Checkpoint:
 
 
 # Bump when the tiny demo checkpoint changes, so that an old cached copy is not reused.
-TINY_DEMO_VERSION = 1
-
-
-def tiny_demo_config(tokenizer) -> KimiVLConfig:
-    """A tiny Kimi-VL with the layout of the real one (MoonViT, 2x2 merge, MLA, routed + shared experts)."""
-    vision_config = {
-        "patch_size": 14,
-        "init_pos_emb_height": 6,
-        "init_pos_emb_width": 6,
-        "num_attention_heads": 3,
-        "num_hidden_layers": 2,
-        "hidden_size": 48,
-        "intermediate_size": 80,
-        "merge_kernel_size": [2, 2],
-    }
-    text_config = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "first_k_dense_replace": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": None,
-        "kv_lora_rank": 24,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 16,
-        "n_routed_experts": 6,
-        "num_experts_per_tok": 3,
-        "n_shared_experts": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.446,
-        "rope_theta": 800000.0,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    return KimiVLConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        media_placeholder_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def write_tiny_checkpoint(folder: Path) -> None:
-    write_tiny_tokenizer(folder)
-    tokenizer = KimiVLTokenizer.from_pretrained(folder)
-    processor = KimiVLProcessor(
-        # 256 patches become at most 64 (+ padding) tokens per image: a few images fit the tiny 1024-token context.
-        image_processor=KimiVLImageProcessor(in_token_limit=256),
-        tokenizer=tokenizer,
-    )
-    processor.save_pretrained(folder)
-    torch.manual_seed(0)  # the same "random" model on every machine
-    model = KimiVLForConditionalGeneration(tiny_demo_config(tokenizer))
-    # Random weights pick any token; keep to printable ASCII and the end of turn, so that the random answers read as
-    # text instead of stray bytes and markers.
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pieces = [tokenizer.decode([token_id], skip_special_tokens=True) for token_id in range(len(tokenizer))]
-    readable = {token_id for token_id, piece in enumerate(pieces) if piece and piece.isascii() and piece.isprintable()}
-    model.generation_config.suppress_tokens = sorted(set(range(len(tokenizer))) - readable - {end_of_turn})
-    model.save_pretrained(folder)
+TINY_DEMO_VERSION = 2
 
 
 def ensure_tiny_checkpoint(cache_dir: Path) -> Path:
-    """The tiny demo checkpoint under cache_dir, built on first use and written atomically (a temporary folder renamed
-    into place), so that an interrupted or concurrent first run never leaves a half-written checkpoint behind."""
+    """The tiny Kimi-VL folder (the one `make tiny` writes) under cache_dir, written on first use. The writer renames a
+    finished folder into place, so an interrupted or concurrent first run never leaves a half-written one behind."""
     target = cache_dir / f"tiny-demo-v{TINY_DEMO_VERSION}"
     if target.is_dir():
         return target
-    log(f"building the tiny demo checkpoint in {target} (first run only)")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{target.name}-"))
+    log(f"writing the tiny demo model to {target} (first run only)")
     try:
-        write_tiny_checkpoint(scratch)
-        try:
-            scratch.rename(target)
-        except OSError:
-            if not target.is_dir():  # not "another run finished first": a real failure
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        write_tiny_checkpoint(target)
+    except FileExistsError:
+        pass  # another run finished first
     return target
 
 
@@ -459,7 +377,8 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
     if model == TINY_MODEL:
         return Checkpoint(ensure_tiny_checkpoint(cache_dir), "tiny demo model", "tiny")
     if Path(model).is_dir():
-        return Checkpoint(Path(model), Path(model).name, model_kind(Path(model).name))
+        folder = Path(model)  # e.g. `make tiny`'s folder: the tiny model's settings, not the real one's
+        return Checkpoint(folder, folder.name, "tiny" if is_tiny_kimi_vl(folder) else model_kind(folder.name))
 
     from huggingface_hub import snapshot_download
 

@@ -2,18 +2,18 @@
 
 The claim to check: the export holds about one output shard in memory, not the model. A Kimi-VL config with the tiny
 reference's shape but very wide dense MLPs (bf16, hidden 64, intermediate 2^19: 64 MB per linear, 15 of them) is
-filled with random weights in the original layout (4 source shards + index), then exported twice with --no-verify:
+filled with random weights in the original layout (4 source shards + index, the tiny folder's tokenizer and processor
+files), then exported twice with --no-verify:
 with a shard size below the model size and with the default 5GB (one shard = the whole model). Each export runs in
 its own process; its peak RSS is the kernel's high-water mark of that process (VmHWM, read as it exits; unlike wait4's
 ru_maxrss it does not include the parent's memory inherited at fork). The baseline is the same command on the tiny
-reference checkpoint (1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest shard.
+Kimi-VL folder (`make tiny`, 1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest shard.
 
     python benchmarks/bench_hub_export_memory.py [--workdir /tmp/kimi-vl-export-bench]
 """
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,33 +28,22 @@ from common import write_result  # noqa: E402
 
 from hub_upload.source import expected_checkpoint_shapes  # noqa: E402
 from hub_upload.weights import natural_key  # noqa: E402
-from image_processing.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from modeling_kimi_vl import KimiVLConfig  # noqa: E402
+from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# As in tests/conftest.py: shared/ beside the checkout unless KIMI_VL_SHARED points elsewhere.
-SHARED_DIR = Path(os.environ.get("KIMI_VL_SHARED", REPO_ROOT.parent / "shared"))
-REFERENCE_CHECKPOINT = SHARED_DIR / "fixtures" / "reference_tiny" / "tiny_ref"
-PREPROCESSOR_CONFIG = {
-    "in_token_limit": 4096,
-    "pad_input": True,
-    "patch_size": 14,
-    "image_mean": [0.5] * 3,
-    "image_std": [0.5] * 3,
-    "merge_kernel_size": [2, 2],
-}
+# What the wide checkpoint takes over from the tiny folder unchanged.
+TOKENIZER_AND_PROCESSOR_FILES = (
+    "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+)
 WIDE_MLP = {"intermediate_size": 2**19, "num_hidden_layers": 5, "first_k_dense_replace": 5}
 SOURCE_SHARDS = 4
 
 
-def complete_source(folder: Path) -> None:
-    write_tiny_tokenizer(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
-
-
-def build_wide_source(folder: Path) -> int:
-    """A random bf16 checkpoint of the wide config in SOURCE_SHARDS files + index; returns its tensor bytes."""
-    config = json.loads((REFERENCE_CHECKPOINT / "config.json").read_text())
+def build_wide_source(folder: Path, tiny: Path) -> int:
+    """A random bf16 checkpoint of the tiny folder's config with WIDE_MLP, in SOURCE_SHARDS files + index; returns its
+    tensor bytes."""
+    config = json.loads((tiny / "config.json").read_text())
     config["text_config"].update(WIDE_MLP)
     config["torch_dtype"] = "bfloat16"
     folder.mkdir(parents=True)
@@ -70,7 +59,8 @@ def build_wide_source(folder: Path) -> int:
         total += sum(tensor.nbytes for tensor in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    complete_source(folder)
+    for name in TOKENIZER_AND_PROCESSOR_FILES:
+        shutil.copyfile(tiny / name, folder / name)
     return total
 
 
@@ -112,15 +102,11 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
 
-    tiny = args.workdir / "tiny"
-    shutil.copytree(REFERENCE_CHECKPOINT, tiny)
-    for path in tiny.iterdir():
-        path.chmod(0o644)
-    complete_source(tiny)
+    tiny = write_tiny_checkpoint(args.workdir / "tiny")
     baseline = measure_export(tiny, args.workdir / "tiny_export", "5GB")
 
     wide = args.workdir / "wide"
-    model_bytes = build_wide_source(wide)
+    model_bytes = build_wide_source(wide, tiny)
     runs = [measure_export(wide, args.workdir / "wide_export", size) for size in ("128MB", "5GB")]
     for run in runs:
         run["peak_over_baseline_mb"] = round(run["peak_rss_mb"] - baseline["peak_rss_mb"], 1)

@@ -104,6 +104,8 @@ def export_checkpoint(
     staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
     try:
         num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
+        for path in staging.iterdir():
+            path.chmod(0o644)  # readable by everyone, as a download is, whatever the umask or the source's modes
         structural_problems = check_export_folder(staging)
         if structural_problems:  # our own writer disagrees with our own checker: a bug, never a user error
             raise RuntimeError("the export is inconsistent:\n" + "\n".join(structural_problems))

@@ -1,4 +1,5 @@
-"""Reading and checking a Kimi-VL folder in the original layout before anything is exported.
+"""Reading and checking a Kimi-VL folder before anything is exported: the original hub layout, or a folder written by
+transformers 5's `save_pretrained` (model and processor, e.g. a fine-tune saved by this project).
 
 Every problem found is collected, so one run reports all of them at once (a missing tokenizer AND a wrong tensor shape),
 and nothing has been written when the error is raised.
@@ -17,6 +18,8 @@ from .weights import INDEX_NAME, SINGLE_FILE_NAME, TensorEntry, natural_key, rea
 
 CONFIG_NAME = "config.json"
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
+# transformers 5's `processor.save_pretrained` writes the image processor's settings nested in this file instead.
+PROCESSOR_CONFIG_NAME = "processor_config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TOKENIZER_MODEL_NAME = "tiktoken.model"
 SPECIAL_TOKENS_MAP_NAME = "special_tokens_map.json"  # optional; older tokenizer saves have it
@@ -42,7 +45,7 @@ class SourceCheckpoint:
     config: dict
     tensors: list[TensorEntry]
     tokenizer_config: dict
-    preprocessor_config: dict
+    preprocessor_config: dict  # the image processor's settings, from whichever of the two files the folder has
     chat_template: str | None  # the checkpoint's own template, if it ships one
 
 
@@ -54,7 +57,7 @@ def read_source(folder: Path) -> SourceCheckpoint:
     problems: list[str] = []
     config = _read_json(folder / CONFIG_NAME, problems)
     tokenizer_config = _read_json(folder / TOKENIZER_CONFIG_NAME, problems)
-    preprocessor_config = _read_json(folder / PREPROCESSOR_CONFIG_NAME, problems)
+    preprocessor_config = _read_image_processor_config(folder, problems)
     if not (folder / TOKENIZER_MODEL_NAME).is_file():
         problems.append(f"{TOKENIZER_MODEL_NAME} is missing (the tiktoken BPE ranks the tokenizer reads)")
     tensors = _read_weights(folder, problems)
@@ -86,6 +89,31 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
         problems.append(f"{path.name} must hold a JSON object, found {type(content).__name__}")
         return None
     return content
+
+
+def _read_image_processor_config(folder: Path, problems: list[str]) -> dict | None:
+    """preprocessor_config.json (the hub layout), else the `image_processor` object of processor_config.json with the
+    processor class beside it, as in the hub layout (transformers 5's `save_pretrained`)."""
+    if (folder / PREPROCESSOR_CONFIG_NAME).is_file():
+        return _read_json(folder / PREPROCESSOR_CONFIG_NAME, problems)
+    if not (folder / PROCESSOR_CONFIG_NAME).is_file():
+        problems.append(
+            f"{PREPROCESSOR_CONFIG_NAME} is missing (the image processor's settings; a folder written by "
+            f"transformers 5's save_pretrained has them in {PROCESSOR_CONFIG_NAME}, also missing)"
+        )
+        return None
+    processor_config = _read_json(folder / PROCESSOR_CONFIG_NAME, problems)
+    if processor_config is None:
+        return None
+    image_processor_config = processor_config.get("image_processor")
+    if not isinstance(image_processor_config, dict):
+        problems.append(
+            f"{PROCESSOR_CONFIG_NAME} has no image_processor object (and there is no {PREPROCESSOR_CONFIG_NAME}); "
+            "one of them must hold the image processor's settings"
+        )
+        return None
+    processor_class = processor_config.get("processor_class")
+    return {**image_processor_config, **({"processor_class": processor_class} if processor_class else {})}
 
 
 def _read_weights(folder: Path, problems: list[str]) -> list[TensorEntry]:

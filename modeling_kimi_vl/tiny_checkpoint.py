@@ -28,8 +28,8 @@ from image_processing import KimiVLImageProcessor, KimiVLTokenizer, write_tiny_t
 
 REFERENCE_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_tiny" / "tiny_ref"
 WEIGHTS_NAME = "model.safetensors"
-# An image of up to 256 patches becomes at most 64 tokens (+ merge padding), so a few images fit the tiny model's
-# 512-position context.
+TINY_CONTEXT = 1024  # positions: a short chat with a few images
+# An image of up to 256 patches becomes at most 64 tokens (+ merge padding), so a few images fit the tiny context.
 TINY_IN_TOKEN_LIMIT = 256
 
 
@@ -52,7 +52,12 @@ def write_tiny_checkpoint(folder: str | Path) -> Path:
     try:
         _write_contents(scratch)
         scratch.chmod(0o755)  # mkdtemp makes it private; a model folder is readable by everyone, as a download is
-        scratch.rename(folder)  # replaces an empty folder; fails if another writer filled it first
+        try:
+            scratch.rename(folder)  # replaces an empty folder
+        except OSError as error:
+            if folder.is_dir() and any(folder.iterdir()):  # another writer (e.g. a concurrent demo) filled it first
+                raise FileExistsError(f"{folder} was written by another process meanwhile") from error
+            raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return folder
@@ -64,15 +69,19 @@ def _write_contents(folder: Path) -> None:
     tokenizer = KimiVLTokenizer.from_pretrained(folder)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    # The fixture's config as the original code saved it, with the special-token ids of the tokenizer beside it (the
-    # fixture was made before there was a tokenizer and says 0/1/2). Ids do not change any weight or output.
+    # The fixture's config as the original code saved it, with two changes that alter no weight and no output: the
+    # special-token ids of the tokenizer (the fixture was made before there was one and says 0/1/2), and a context of
+    # TINY_CONTEXT positions instead of 512 (the rotary embedding does not depend on it), room for a chat with images.
     config = json.loads((REFERENCE_CHECKPOINT / "config.json").read_text())
-    token_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                 "pad_token_id": tokenizer.pad_token_id}
-    config["text_config"].update(token_ids)
+    config["text_config"].update(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=TINY_CONTEXT,
+    )
     config["pad_token_id"] = tokenizer.pad_token_id
     if config["media_placeholder_token_id"] != tokenizer.convert_tokens_to_ids("<|media_pad|>"):
-        raise AssertionError("the tiny tokenizer's <|media_pad|> is not the fixture's placeholder id")
+        raise RuntimeError("the tiny tokenizer's <|media_pad|> is not the fixture's placeholder id")
     _write_json(folder / "config.json", config)
 
     # As on the hub: the processor class named in the image processor's config (AutoProcessor reads it there).
@@ -90,6 +99,26 @@ def _write_contents(folder: Path) -> None:
     generation_config.save_pretrained(folder)
     for path in folder.iterdir():
         path.chmod(0o644)
+
+
+# What tells the tiny architecture apart from the real one (hidden 2048, vocab 163840, 27 vision blocks, ...).
+_ARCHITECTURE_KEYS = {"text_config": ("hidden_size", "num_hidden_layers", "vocab_size"),
+                      "vision_config": ("hidden_size", "num_hidden_layers")}
+
+
+def is_tiny_kimi_vl(folder: str | Path) -> bool:
+    """Whether `folder` holds a model of the tiny architecture: this writer's folder, or one saved after fine-tuning it
+    (the demo gives such a model its short answers and its "random weights" banner)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    reference = json.loads((REFERENCE_CHECKPOINT / "config.json").read_text())
+    return isinstance(config, dict) and all(
+        isinstance(config.get(part), dict) and config[part].get(key) == reference[part][key]
+        for part, keys in _ARCHITECTURE_KEYS.items()
+        for key in keys
+    )
 
 
 def _write_json(path: Path, content: dict) -> None:
