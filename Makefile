@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # machine elsewhere: TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 CHROMIUM ?= $(or $(KIMI_VL_CHROMIUM),/usr/bin/chromium)
-EXTRAS ?= test,demo
+EXTRAS ?= test,demo,train
 # Where `make tiny` writes the tiny Kimi-VL (ignored by git).
 TINY_DIR ?= tiny-kimi-vl
 

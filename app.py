@@ -425,6 +425,25 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
     return Checkpoint(Path(path), model, model_kind(model))
 
 
+# peft writes this beside a LoRA adapter (examples/finetune.py without --merge); a model folder has config.json instead.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str) -> KimiVLForConditionalGeneration:
+    """The model in `path`. A LoRA adapter folder loads its base model (named in the adapter's config) with the
+    adapter merged in, so it generates exactly as a merged checkpoint would, at the same speed."""
+    if not (path / ADAPTER_CONFIG).is_file():
+        return KimiVLForConditionalGeneration.from_pretrained(path, dtype=dtype, device_map=device)
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError as error:
+        raise SystemExit(f"{path} is a LoRA adapter; loading it needs peft: pip install -e '.[train]'") from error
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    log(f"{path} is a LoRA adapter: loading its base model {base} and merging the adapter in")
+    model = KimiVLForConditionalGeneration.from_pretrained(base, dtype=dtype, device_map=device)
+    return PeftModel.from_pretrained(model, path).merge_and_unload()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The engine: processor + model, one generation at a time
 # ---------------------------------------------------------------------------------------------------------------------
@@ -479,7 +498,7 @@ class ChatEngine:
         log(f"loading the processor from {checkpoint.path}")
         self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
         log(f"loading {checkpoint.name} onto {device} in {dtype}")
-        self.model = KimiVLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=dtype, device_map=device)
+        self.model = load_model(checkpoint.path, dtype, device)
         self.model.eval()
         self.context_length = self.model.config.text_config.max_position_embeddings
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -11,8 +11,9 @@ from pathlib import Path
 # Our packages sit beside this one, in a checkout as in site-packages.
 PACKAGES_ROOT = Path(__file__).resolve().parents[1]
 CODE_PACKAGES = (PACKAGES_ROOT / "modeling_kimi_vl", PACKAGES_ROOT / "image_processing")
-# Modules of those packages that are not needed to load or run the model: package inits and test helpers.
-NOT_SHIPPED = {"__init__.py", "tiny_tokenizer.py", "tiny_checkpoint.py"}  # dev and test helpers
+# Modules of those packages that are not needed to load or run the model: package inits, test helpers, and the training
+# data collator (fine-tuning runs from this project's installed packages; an exported repository is for inference).
+NOT_SHIPPED = {"__init__.py", "tiny_tokenizer.py", "tiny_checkpoint.py", "data_collator_kimi_vl.py"}
 CHAT_TEMPLATE_FILE = PACKAGES_ROOT / "image_processing" / "chat_template.jinja"
 
 CONFIG_CLASS = "configuration_kimi_vl.KimiVLConfig"

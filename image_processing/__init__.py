@@ -9,6 +9,7 @@ import importlib
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .data_collator_kimi_vl import BadExample, KimiVLDataCollator, encode_chat, load_chat_jsonl
 from .image_processing_kimi_vl import KimiVLImageProcessor
 from .processing_kimi_vl import KimiVLProcessor, ThinkingSplit, split_thinking
 from .tiny_tokenizer import write_tiny_tokenizer
@@ -47,11 +48,15 @@ def register_auto_classes(config_class=None) -> bool:
 register_auto_classes()
 
 __all__ = [
+    "BadExample",
+    "KimiVLDataCollator",
     "KimiVLImageProcessor",
     "KimiVLProcessor",
     "KimiVLTokenizer",
     "SANITIZING_SUPPORTED",
     "ThinkingSplit",
+    "encode_chat",
+    "load_chat_jsonl",
     "register_auto_classes",
     "split_thinking",
     "write_tiny_tokenizer",

@@ -1,0 +1,234 @@
+"""Training data for Kimi-VL: chat conversations in the messages format -> padded batches with labels on the answers.
+
+A conversation is rendered with the processor's chat template one assistant turn at a time: the text before a turn's
+answer (everything up to `<|im_assistant|>assistant<|im_middle|>`) and the answer itself (its content and the turn's
+closing `<|im_end|>`) are separate pieces. The pieces are cut where the template puts special tokens, which the
+tokenizer never merges with neighbouring text, so tokenizing them one by one gives exactly the ids of the whole
+conversation, and every id is known to be inside or outside an answer without searching decoded text.
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.image_utils import load_image
+
+from .processing_kimi_vl import KimiVLProcessor
+
+
+IGNORE_INDEX = -100  # the label the loss skips (transformers' convention)
+URL_PREFIXES = ("http://", "https://")
+
+
+@dataclass
+class EncodedChat:
+    """One conversation as model inputs: `labels` equals `input_ids` on answer tokens and is IGNORE_INDEX elsewhere."""
+
+    input_ids: list[int]
+    labels: list[int]
+    pixel_values: torch.Tensor | None  # [patches, 3, 14, 14] of this conversation's images, in order
+    image_grid_hws: torch.Tensor | None  # [images, 2]
+
+
+def chat_images(messages: Sequence[dict]) -> list:
+    """The images of a conversation in the order of their placeholders: the `image` value of every image item."""
+    images = []
+    for message in messages:
+        content = message.get("content")
+        for item in content if isinstance(content, list) else []:
+            if isinstance(item, dict) and item.get("type") == "image":
+                if "image" not in item:
+                    raise ValueError(
+                        f"an image item of a {message.get('role')} turn has no 'image' key (got keys "
+                        f"{sorted(item)}); write {{\"type\": \"image\", \"image\": \"path/or/url\"}}."
+                    )
+                images.append(item["image"])
+    return images
+
+
+def chat_pieces(processor: KimiVLProcessor, messages: Sequence[dict]) -> list[tuple[str, bool]]:
+    """The rendered conversation as consecutive `(text, is_answer)` pieces; their concatenation is the whole text."""
+    if not messages:
+        raise ValueError("the conversation has no messages.")
+
+    def render(turns, add_generation_prompt=False) -> str:
+        return processor.apply_chat_template(list(turns), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    pieces, rendered = [], ""
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        if index == 0:
+            raise ValueError("the conversation starts with an assistant turn; a user (or system) turn must come first.")
+        prompt = render(messages[:index], add_generation_prompt=True)
+        with_answer = render(messages[: index + 1])
+        # Each turn's text must extend the previous one; a template that rewrites earlier turns cannot be cut this way.
+        if not prompt.startswith(rendered) or not with_answer.startswith(prompt):
+            raise ValueError(
+                "the chat template does not render this conversation turn by turn; cannot find the answers."
+            )
+        pieces += [(prompt[len(rendered) :], False), (with_answer[len(prompt) :], True)]
+        rendered = with_answer
+    if not pieces:
+        raise ValueError("the conversation has no assistant turn, so there is nothing to train on.")
+    whole = render(messages)
+    if len(whole) > len(rendered):  # turns after the last answer are context without labels
+        pieces.append((whole[len(rendered) :], False))
+    return pieces
+
+
+def encode_chat(processor: KimiVLProcessor, messages: Sequence[dict]) -> EncodedChat:
+    """Tokenize one conversation with its images (placeholders expanded by the processor) and label its answers."""
+    pieces = chat_pieces(processor, messages)
+    images = [_fetch(image) if _is_url(image) else image for image in chat_images(messages)]
+    encoded = processor(text=[text for text, _ in pieces], images=images or None, padding=False)
+    input_ids, labels = [], []
+    for ids, (_, is_answer) in zip(encoded["input_ids"], pieces):
+        input_ids += ids
+        # Answers are labelled, except for image placeholders (an assistant turn may hold images too).
+        labels += [token if is_answer and token != processor.image_token_id else IGNORE_INDEX for token in ids]
+    return EncodedChat(input_ids, labels, encoded.get("pixel_values"), encoded.get("image_grid_hws"))
+
+
+class KimiVLDataCollator:
+    """Collate examples `{"messages": [...]}` into a right-padded training batch for Kimi-VL.
+
+    The batch has `input_ids`, `attention_mask`, `labels` (token ids on every assistant answer including its
+    `<|im_end|>`, IGNORE_INDEX on system and user turns, image placeholders and padding) and, when any example has
+    images, `pixel_values` and `image_grid_hws` of all images in batch order. Image items hold a file path, an http(s)
+    URL or a PIL image. A conversation longer than `max_length` tokens is an error, never truncated: a cut answer
+    would teach the model to stop mid-sentence (check the data first, see `load_chat_jsonl`).
+    """
+
+    def __init__(self, processor: KimiVLProcessor, max_length: int | None = None):
+        if processor.tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token; Kimi-VL's tokenizer defines [PAD].")
+        self.processor = processor
+        self.max_length = max_length
+
+    def __call__(self, examples: Sequence[dict]) -> BatchFeature:
+        encoded = [encode_chat(self.processor, example["messages"]) for example in examples]
+        for index, chat in enumerate(encoded):
+            check_length(len(chat.input_ids), self.max_length, f"example {index} of the batch")
+        width = max(len(chat.input_ids) for chat in encoded)
+        pad_id = self.processor.tokenizer.pad_token_id
+
+        def right_padded(rows: list[list[int]], value: int) -> torch.Tensor:
+            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+        batch = {
+            "input_ids": right_padded([chat.input_ids for chat in encoded], pad_id),
+            "attention_mask": right_padded([[1] * len(chat.input_ids) for chat in encoded], 0),
+            "labels": right_padded([chat.labels for chat in encoded], IGNORE_INDEX),
+        }
+        with_images = [chat for chat in encoded if chat.pixel_values is not None]
+        if with_images:
+            batch["pixel_values"] = torch.cat([chat.pixel_values for chat in with_images])
+            batch["image_grid_hws"] = torch.cat([chat.image_grid_hws for chat in with_images])
+        return BatchFeature(batch)
+
+
+def check_length(length: int, max_length: int | None, what: str) -> None:
+    if max_length is not None and length > max_length:
+        raise ValueError(
+            f"{what} is {length} tokens (images included), longer than the maximum length {max_length}; it is not "
+            "truncated (that would cut an answer): raise the maximum length, shorten the conversation or use smaller "
+            "images."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# JSONL files
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadExample:
+    line: int  # 1-based line number in the JSONL file
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+def load_chat_jsonl(
+    path: str | Path, processor: KimiVLProcessor, max_length: int | None = None
+) -> tuple[list[dict], list[BadExample]]:
+    """Read a JSONL file of `{"messages": [...]}` conversations and check every one before any training.
+
+    Image paths are read relative to the file's folder (and stored absolute in the returned examples). Each example
+    is encoded once, as the collator will encode it, so everything that would fail later is found now: malformed JSON,
+    a missing or unreadable image, no assistant turn, a conversation longer than `max_length`. Returns the good
+    examples and the bad ones with their line numbers; blank lines are skipped.
+    """
+    path = Path(path)
+    examples, bad = [], []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                example = _parse_example(line, path.parent)
+                encoded = encode_chat(processor, example["messages"])
+                check_length(len(encoded.input_ids), max_length, "the conversation")
+            except (ValueError, TypeError, TemplateError) as error:
+                bad.append(BadExample(line_number, str(error)))
+            else:
+                examples.append(example)
+    return examples, bad
+
+
+def _parse_example(line: str, folder: Path) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error}).") from error
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
+        raise ValueError('expected an object {"messages": [{"role": ..., "content": ...}, ...]}.')
+    return {"messages": [_with_resolved_images(message, folder) for message in messages]}
+
+
+def _with_resolved_images(message: dict, folder: Path) -> dict:
+    """A copy of `message` whose local image paths are absolute (relative ones are read from `folder`) and exist."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    items = []
+    for item in content:
+        if isinstance(item, dict) and item.get("type") == "image" and isinstance(item.get("image"), str):
+            image = item["image"]
+            if not _is_url(image):
+                resolved = folder / image
+                if not resolved.is_file():
+                    raise ValueError(f"image file {image!r} not found (looked for {resolved}).")
+                item = {**item, "image": str(resolved)}
+        items.append(item)
+    return {**message, "content": items}
+
+
+def _fetch(url: str):
+    try:
+        return load_image(url)
+    except Exception as error:  # noqa: BLE001 - network, HTTP and decoding failures all mean "no image from here"
+        raise ValueError(f"image {url!r} could not be fetched and read: {error}") from error
+
+
+def _is_url(image) -> bool:
+    return isinstance(image, str) and image.startswith(URL_PREFIXES)
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BadExample",
+    "EncodedChat",
+    "KimiVLDataCollator",
+    "chat_images",
+    "chat_pieces",
+    "encode_chat",
+    "load_chat_jsonl",
+]
