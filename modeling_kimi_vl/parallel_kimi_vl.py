@@ -111,9 +111,13 @@ def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
         )
 
 
-def check_kimi_vl_tp_size(config: KimiVLConfig, tp_size: int) -> None:
-    """Reject, at load and before any weight is read, a TP size the model cannot be split by."""
+def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) -> None:
+    """Reject, at load and before any weight is read, a TP size the model (or the vision tower loaded alone, which
+    is always weight-sharded) cannot be split by."""
     if tp_size <= 1:
+        return
+    if isinstance(config, MoonViTConfig):
+        check_vision_tp_size(config, tp_size)
         return
     text_config = config.text_config
     for what, count in (
@@ -163,13 +167,14 @@ def assign_images_to_ranks(loads: Sequence[int], num_ranks: int) -> list[list[in
 
 
 def encode_images_data_parallel(
-    vision_tower: nn.Module, pixel_values: torch.Tensor, grid_hws: Sequence[tuple[int, int]]
+    vision_tower: nn.Module, pixel_values: torch.Tensor, grid_hws: Sequence[tuple[int, int]], **kwargs
 ) -> torch.Tensor:
     """Encode the images across all processes; every process returns the full `[total merged tokens, 4, hidden]` in
-    image order.
+    image order (the vision tower's `last_hidden_state`).
 
     `grid_hws` must be validated on every rank before this call, since a rank that failed alone would leave the
-    others waiting in the gather. Every rank derives the same assignment from the same grids, so each knows every
+    others waiting in the gather. `kwargs` are the tower's output options: recording hidden states or attentions is
+    refused, since each rank only sees its own images'. Every rank derives the same assignment from the same grids, so each knows every
     rank's token count without communicating: each pads to the largest count itself (accelerate's
     `pad_across_processes` would first all-gather the sizes and read them back to the host), and the only collective
     is one all-gather through accelerate's `gather`.
@@ -187,6 +192,16 @@ def encode_images_data_parallel(
             "does), freeze the vision tower (requires_grad_(False)), or load with mm_encoder_tp_mode='weight' to "
             "train it."
         )
+    recording = [
+        option
+        for option in ("output_hidden_states", "output_attentions")
+        if kwargs.get(option, getattr(vision_tower.config, option, False))
+    ]
+    if recording:
+        raise ValueError(
+            f"{' and '.join(recording)} cannot be given with mm_encoder_tp_mode='data': each process encodes only its "
+            "share of the images. Load with mm_encoder_tp_mode='weight', or run the vision tower in one process."
+        )
     state = process_state()
     kernel_rows, kernel_cols = vision_tower.config.merge_kernel_size
     patches_per_image = [rows * cols for rows, cols in grid_hws]
@@ -200,7 +215,8 @@ def encode_images_data_parallel(
     if my_images:
         patch_slices = pixel_values.split(patches_per_image)
         my_pixels = torch.cat([patch_slices[image] for image in my_images])
-        my_features = vision_tower.encode(my_pixels, [grid_hws[image] for image in my_images])
+        my_grid_hws = torch.tensor([grid_hws[image] for image in my_images], dtype=torch.long)  # on the host
+        my_features = vision_tower(my_pixels, my_grid_hws).last_hidden_state
     else:
         # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
         my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
