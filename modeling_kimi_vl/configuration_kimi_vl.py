@@ -31,6 +31,15 @@ class MoonViTConfig(PreTrainedConfig):
 
     model_type = "moonvit"
     base_config_key = "vision_config"
+    # Weight mode (`mm_encoder_tp_mode="weight"`, or the tower loaded alone): whole attention heads per rank. `wqkv`
+    # rows are all q heads, then all k, then all v, so it needs the strided split "packed_qkv_colwise" (registered in
+    # parallel_kimi_vl.py). Norms, patch embedding, position table, rotary angles and the patch merger stay replicated.
+    base_model_tp_plan = {
+        "encoder.blocks.*.wqkv": "packed_qkv_colwise",
+        "encoder.blocks.*.wo": "rowwise",
+        "encoder.blocks.*.mlp.fc0": "colwise",
+        "encoder.blocks.*.mlp.fc1": "rowwise",
+    }
 
     patch_size: int = 14
     init_pos_emb_height: int = 64
@@ -77,6 +86,23 @@ class KimiVLConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     tie_word_embeddings: bool = False
     mm_encoder_tp_mode: str = "data"
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """What the nested models' own plans leave out (the vision tower brings `vision_tower.*` from
+        `MoonViTConfig`, DeepSeek-V3 its MLP, experts and `lm_head`): the language model's MLA attention, split by
+        heads. The query projection and `kv_b_proj` (the per-head expansion of the shared latent) are column-wise,
+        `o_proj` row-wise; `kv_a_proj_with_mqa` produces the latent every head reads, so it stays whole, its style only
+        summing the rotary part's gradient across ranks. A property: the query projection's name follows
+        `text_config.q_lora_rank`."""
+        prefix = "language_model.model.layers.*.self_attn"
+        query_projection = "q_proj" if self.text_config.q_lora_rank is None else "q_b_proj"
+        return {
+            f"{prefix}.{query_projection}": "colwise",
+            f"{prefix}.kv_a_proj_with_mqa": "mla_kv_a_proj",
+            f"{prefix}.kv_b_proj": "colwise",
+            f"{prefix}.o_proj": "rowwise",
+        }
 
     def __post_init__(self, **kwargs):
         # Built here rather than through `sub_configs_defaults`, which only the newest 5.x releases have.

@@ -26,14 +26,9 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
 from .generation_kimi_vl import CACHE_ARGUMENT, KimiVLStaticGenerationMixin
-from .parallel_kimi_vl import (
-    MOONVIT_TP_PLAN,
-    check_kimi_vl_tp_size,
-    encode_images_data_parallel,
-    kimi_vl_tp_plan,
-)
+from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5
@@ -361,7 +356,6 @@ class MoonViTModel(KimiVLPreTrainedModel):
     input_modalities = ("image",)
     _no_split_modules = ["MoonViTEncoderLayer"]
     _can_record_outputs = {"hidden_states": MoonViTEncoderLayer, "attentions": MoonViTPackedAttention}
-    _tp_plan = MOONVIT_TP_PLAN
 
     def __init__(self, config: MoonViTConfig):
         super().__init__(config)
@@ -431,9 +425,16 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         self.multi_modal_projector = KimiVLMultiModalProjector(config)
         self.language_model = DeepseekV3ForCausalLM(config.text_config)
         self.post_init()
-        # post_init gathered the nested models' plans; complete them here, in the class, rather than rely on how a
-        # transformers version merges a plan passed at load time.
-        self._tp_plan = kimi_vl_tp_plan(config, self._tp_plan)
+
+    def init_parallel_plans(self) -> None:
+        """post_init composes the tensor-parallel plan from the declared ones: `KimiVLConfig.base_model_tp_plan` (the
+        MLA attention) and the nested models' (`vision_tower.*` from `MoonViTConfig`, `language_model.*` from
+        `DeepseekV3Config`). In data mode the vision tower stays whole: every rank runs all of it on its share of the
+        images. The projector is always replicated."""
+        super().init_parallel_plans()
+        # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
+        if check_mm_encoder_tp_mode(self.config.mm_encoder_tp_mode) == "data":
+            self._tp_plan = {name: style for name, style in self._tp_plan.items() if not name.startswith("vision_tower.")}
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -608,7 +609,6 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
 
 
 __all__ = [
-    "MoonViTPreTrainedModel",
     "MoonViTModel",
     "KimiVLPreTrainedModel",
     "KimiVLForConditionalGeneration",

@@ -1,4 +1,5 @@
-"""Multi-process Kimi-VL: the tensor-parallel plan and the data-parallel vision encoder.
+"""Multi-process Kimi-VL: the tensor-parallel style of the fused vision `wqkv`, the load-time checks of the TP size,
+and the data-parallel vision encoder. The plans themselves are declared on the configs (`base_model_tp_plan`).
 
 Under `torchrun --nproc_per_node N` with `from_pretrained(..., tp_plan="auto")` every rank sees the same inputs. The
 language model is always tensor-parallel; the vision tower runs in one of two modes (`mm_encoder_tp_mode`):
@@ -8,8 +9,8 @@ language model is always tensor-parallel; the vision tower runs in one of two mo
   are all-gathered once and put back in image order, so the projector and everything after it see exactly what a
   single process would.
 
-Both modes return the same thing as the single-process model: ONE tensor `[total merged tokens, 4, hidden]` in image
-order.
+Both modes return the same thing as the single-process model: the merged patches `[total merged tokens, 4, hidden]` in
+image order.
 """
 
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
 
 
 def process_state() -> PartialState:
@@ -32,7 +33,7 @@ def process_state() -> PartialState:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Tensor-parallel plan
+# Tensor parallelism
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -59,45 +60,8 @@ class PackedQKVColwiseParallel(PackedColwiseParallel):
         )
 
 
-PACKED_QKV_COLWISE = "packed_qkv_colwise"
-ALL_PARALLEL_STYLES.register(PACKED_QKV_COLWISE, PackedQKVColwiseParallel())
-
-# MoonViT in weight mode. Norms, patch embedding, position table, rotary angles and the patch merger stay replicated.
-MOONVIT_TP_PLAN = {
-    "encoder.blocks.*.wqkv": PACKED_QKV_COLWISE,
-    "encoder.blocks.*.wo": "rowwise",
-    "encoder.blocks.*.mlp.fc0": "colwise",
-    "encoder.blocks.*.mlp.fc1": "rowwise",
-}
-
-
-def language_model_attention_tp_plan(text_config) -> dict[str, str]:
-    """MLA attention of the nested DeepSeek-V3, whose own plan shards only its MLP, MoE and lm_head.
-
-    Heads are split across ranks: the query projection and `kv_b_proj` (the per-head expansion of the shared latent)
-    column-wise, `o_proj` row-wise. `kv_a_proj_with_mqa` produces the latent that every head reads, so it stays whole;
-    its style only sums the rotary part's gradient across ranks.
-    """
-    prefix = "language_model.model.layers.*.self_attn"
-    query_projection = "q_proj" if text_config.q_lora_rank is None else "q_b_proj"
-    return {
-        f"{prefix}.{query_projection}": "colwise",
-        f"{prefix}.kv_a_proj_with_mqa": "mla_kv_a_proj",
-        f"{prefix}.kv_b_proj": "colwise",
-        f"{prefix}.o_proj": "rowwise",
-    }
-
-
-def kimi_vl_tp_plan(config: KimiVLConfig, nested_plan: dict[str, str]) -> dict[str, str]:
-    """The whole model's plan, from the plans its nested models brought (`vision_tower.*` from `MOONVIT_TP_PLAN`,
-    `language_model.*` from DeepSeek-V3) plus the attention entries DeepSeek-V3 lacks. In data mode the tower's
-    entries are dropped: it stays replicated. The projector is always replicated."""
-    # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
-    mode = check_mm_encoder_tp_mode(config.mm_encoder_tp_mode)
-    plan = {
-        name: style for name, style in nested_plan.items() if mode == "weight" or not name.startswith("vision_tower.")
-    }
-    return plan | language_model_attention_tp_plan(config.text_config)
+# The style MoonViTConfig.base_model_tp_plan names for `wqkv`.
+ALL_PARALLEL_STYLES.register("packed_qkv_colwise", PackedQKVColwiseParallel())
 
 
 def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
@@ -236,11 +200,9 @@ def encode_images_data_parallel(
 
 
 __all__ = [
-    "MOONVIT_TP_PLAN",
     "PackedQKVColwiseParallel",
     "assign_images_to_ranks",
     "check_kimi_vl_tp_size",
     "check_vision_tp_size",
     "encode_images_data_parallel",
-    "kimi_vl_tp_plan",
 ]
