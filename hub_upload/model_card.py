@@ -1,5 +1,6 @@
 """The README.md model card of an export: the Hub's metadata (license, source model) and usage instructions, built
-with huggingface_hub's `ModelCard` / `ModelCardData`, which write the metadata as the YAML front matter the Hub reads."""
+with huggingface_hub's `ModelCard` / `ModelCardData`, which write the metadata as the YAML front matter the Hub
+reads."""
 
 from dataclasses import dataclass
 

@@ -390,7 +390,8 @@ class MoonViTModel(KimiVLPreTrainedModel):
         rotation = torch.polar(torch.ones_like(angles), angles)
         hidden_states = self.patch_embed(pixel_values, packed.grid_hws)
         hidden_states = self.encoder(hidden_states, rotation, packed)
-        return BaseModelOutput(last_hidden_state=merge_patches(hidden_states, packed.grid_hws, (kernel_rows, kernel_cols)))
+        merged = merge_patches(hidden_states, packed.grid_hws, self.config.merge_kernel_size)
+        return BaseModelOutput(last_hidden_state=merged)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -434,7 +435,8 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         super().init_parallel_plans()
         # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
         if check_mm_encoder_tp_mode(self.config.mm_encoder_tp_mode) == "data":
-            self._tp_plan = {name: style for name, style in self._tp_plan.items() if not name.startswith("vision_tower.")}
+            plan = self._tp_plan.items()
+            self._tp_plan = {name: style for name, style in plan if not name.startswith("vision_tower.")}
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -467,7 +469,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config.vision_config)
         if self.config.mm_encoder_tp_mode == "data" and (self.tp_size or 1) > 1:
             merged = encode_images_data_parallel(self.vision_tower, pixel_values, grid_hws, **kwargs)
-            vision_outputs = BaseModelOutput(last_hidden_state=merged)
+            vision_outputs = BaseModelOutput(last_hidden_state=merged)  # the tower's output, without recordings
         else:
             # A host copy of the grids: the tower reads it without another device sync.
             host_grid_hws = torch.tensor(grid_hws, dtype=torch.long).view(-1, 2)
@@ -581,7 +583,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         image_grid_hws: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
         pixel_values (`torch.FloatTensor` of shape `[total patches, 3, patch, patch]`):

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
 
@@ -131,17 +133,20 @@ def assign_images_to_ranks(loads: Sequence[int], num_ranks: int) -> list[list[in
 
 
 def encode_images_data_parallel(
-    vision_tower: nn.Module, pixel_values: torch.Tensor, grid_hws: Sequence[tuple[int, int]], **kwargs
+    vision_tower: nn.Module,
+    pixel_values: torch.Tensor,
+    grid_hws: Sequence[tuple[int, int]],
+    **kwargs: Unpack[TransformersKwargs],
 ) -> torch.Tensor:
     """Encode the images across all processes; every process returns the full `[total merged tokens, 4, hidden]` in
     image order (the vision tower's `last_hidden_state`).
 
     `grid_hws` must be validated on every rank before this call, since a rank that failed alone would leave the
-    others waiting in the gather. `kwargs` are the tower's output options: recording hidden states or attentions is
-    refused, since each rank only sees its own images'. Every rank derives the same assignment from the same grids, so each knows every
+    others waiting in the gather. Every rank derives the same assignment from the same grids, so each knows every
     rank's token count without communicating: each pads to the largest count itself (accelerate's
     `pad_across_processes` would first all-gather the sizes and read them back to the host), and the only collective
-    is one all-gather through accelerate's `gather`.
+    is one all-gather through accelerate's `gather`. `kwargs` are the tower's output options: recording hidden states
+    or attentions is refused, since each rank sees only its own images.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(

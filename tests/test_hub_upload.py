@@ -197,7 +197,8 @@ def test_model_card_metadata_names_the_source_model_and_license(exported):
     info = ModelCardInfo(license="other", base_model="moonshotai/Kimi-VL-A3B-Instruct", repo_id="me/kimi-vl")
     card = ModelCard(render_model_card(config, info))
     assert (card.data.license, card.data.base_model) == ("other", "moonshotai/Kimi-VL-A3B-Instruct")
-    assert 'repo = "me/kimi-vl"' in card.text and "[moonshotai/Kimi-VL-A3B-Instruct](https://huggingface.co/" in card.text
+    assert 'repo = "me/kimi-vl"' in card.text
+    assert "[moonshotai/Kimi-VL-A3B-Instruct](https://huggingface.co/moonshotai/Kimi-VL-A3B-Instruct)" in card.text
 
 
 def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, reference_dir, expected, tmp_path):
