@@ -481,6 +481,20 @@ def test_rotary_math_runs_in_float32():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def test_placeholder_mask_from_ids_equals_the_one_from_embeddings(reference_model):
+    input_ids = torch.tensor([prompt_with_images([(4, 6)]), [5] * 3 + [300] * 6 + [6] * 3])
+    from_ids = reference_model.get_placeholder_mask(input_ids, None)
+    assert from_ids.shape == (2, 12, 1) and from_ids.dtype == torch.bool
+    assert from_ids.squeeze(-1).tolist() == (input_ids == 300).tolist()
+    inputs_embeds = reference_model.get_input_embeddings()(input_ids)
+    assert torch.equal(reference_model.get_placeholder_mask(None, inputs_embeds), from_ids)
+    features = torch.zeros(12, inputs_embeds.shape[-1])
+    assert torch.equal(reference_model.get_placeholder_mask(input_ids, inputs_embeds, features), from_ids)
+    with pytest.raises(ValueError, match="12 image placeholder tokens .* give 11 features"):
+        reference_model.get_placeholder_mask(None, inputs_embeds, features[:11])
+
+
 def test_placeholder_count_mismatch_names_both_numbers(reference_model):
     pixel_values, grid_hws = random_images([(4, 6)])
     input_ids = torch.tensor([[5] + [300] * 5 + [6]])
