@@ -5,8 +5,8 @@ Data flow of one multimodal forward:
 
     pixel_values [L, 3, 14, 14], image_grid_hws [N, 2]      (all images' patches, concatenated in image order)
       -> MoonViTModel                   -> merged patches  [M, 4, vision hidden]   (M = sum rows*cols/4)
-      -> KimiVLMultiModalProjector      -> image features  [M, text hidden]
-      -> written over the <|media_pad|> rows of the token embeddings, in order
+      -> KimiVLMultiModalProjector      -> image features  [M, text hidden]        (get_image_features: per image)
+      -> written over the <|media_pad|> rows of the token embeddings, in order    (embed_inputs, get_placeholder_mask)
       -> DeepseekV3ForCausalLM          -> logits
 """
 
