@@ -78,6 +78,19 @@ class KimiVLConfig(PreTrainedConfig):
 
     model_type = "kimi_vl"
     sub_configs = {"vision_config": MoonViTConfig, "text_config": DeepseekV3Config}
+    # What the nested models' own plans leave out (the vision tower brings `vision_tower.*` from MoonViTConfig,
+    # DeepSeek-V3 its MLP, experts and lm_head): the MLA attention, split by heads. The query projection and
+    # `kv_b_proj` (the per-head expansion of the shared latent) are column-wise, `o_proj` row-wise;
+    # `kv_a_proj_with_mqa` produces the latent every head reads, so it stays whole, its style only summing the rotary
+    # part's gradient across ranks. As in transformers' DeepSeek-V2 plan, the query projection is `q_proj` without a
+    # query LoRA (the published checkpoints) and `q_b_proj` with one; the rule whose module does not exist matches none.
+    base_model_tp_plan = {
+        "language_model.model.layers.*.self_attn.q_proj": "colwise",
+        "language_model.model.layers.*.self_attn.q_b_proj": "colwise",
+        "language_model.model.layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "language_model.model.layers.*.self_attn.kv_b_proj": "colwise",
+        "language_model.model.layers.*.self_attn.o_proj": "rowwise",
+    }
 
     vision_config: dict | PreTrainedConfig | None = None
     text_config: dict | PreTrainedConfig | None = None
@@ -86,23 +99,6 @@ class KimiVLConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     tie_word_embeddings: bool = False
     mm_encoder_tp_mode: str = "data"
-
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """What the nested models' own plans leave out (the vision tower brings `vision_tower.*` from
-        `MoonViTConfig`, DeepSeek-V3 its MLP, experts and `lm_head`): the language model's MLA attention, split by
-        heads. The query projection and `kv_b_proj` (the per-head expansion of the shared latent) are column-wise,
-        `o_proj` row-wise; `kv_a_proj_with_mqa` produces the latent every head reads, so it stays whole, its style only
-        summing the rotary part's gradient across ranks. A property: the query projection's name follows
-        `text_config.q_lora_rank`."""
-        prefix = "language_model.model.layers.*.self_attn"
-        query_projection = "q_proj" if self.text_config.q_lora_rank is None else "q_b_proj"
-        return {
-            f"{prefix}.{query_projection}": "colwise",
-            f"{prefix}.kv_a_proj_with_mqa": "mla_kv_a_proj",
-            f"{prefix}.kv_b_proj": "colwise",
-            f"{prefix}.o_proj": "rowwise",
-        }
 
     def __post_init__(self, **kwargs):
         # Built here rather than through `sub_configs_defaults`, which only the newest 5.x releases have.

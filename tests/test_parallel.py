@@ -104,9 +104,12 @@ def test_plan_weight_mode_adds_the_vision_tower(reference_checkpoint):
 def test_plan_with_query_lora_shards_q_b_proj(tiny_config):
     config = tiny_config.__class__.from_dict(tiny_config.to_dict())
     config.text_config.q_lora_rank = 16
-    plan = KimiVLForConditionalGeneration(config)._tp_plan
+    model = KimiVLForConditionalGeneration(config)
+    projections = dict(model.language_model.model.layers[0].self_attn.named_children())
+    assert "q_b_proj" in projections and "q_proj" not in projections  # so only the q_b_proj rule applies
+    plan = model._tp_plan
     assert plan["language_model.model.layers.*.self_attn.q_b_proj"] == "colwise"
-    assert "language_model.model.layers.*.self_attn.q_proj" not in plan
+    assert "language_model.model.layers.*.self_attn.q_a_proj" not in plan  # the query latent stays whole
 
 
 def test_bad_mode_keyword_is_rejected(reference_checkpoint):
