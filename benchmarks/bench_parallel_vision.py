@@ -64,10 +64,10 @@ def main() -> None:
         return encode_images_data_parallel(replicated_tower, pixel_values, MIXED_GRIDS)
 
     def weight_mode():
-        return weight_tower(pixel_values, grid_hws)
+        return weight_tower(pixel_values, grid_hws).last_hidden_state
 
     def one_process():
-        return replicated_tower(pixel_values, grid_hws)
+        return replicated_tower(pixel_values, grid_hws).last_hidden_state
 
     threads_per_process = torch.get_num_threads()
     baseline_threads = threads_per_process * world_size if device.type == "cpu" else threads_per_process

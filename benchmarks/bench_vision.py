@@ -55,10 +55,10 @@ def main() -> None:
     pos_emb = tower.patch_embed.pos_emb
 
     def packed():
-        return tower(pixel_values, grid_hws)
+        return tower(pixel_values, grid_hws).last_hidden_state
 
     def one_at_a_time():
-        return torch.cat([tower(pv, grid) for pv, grid in per_image])
+        return torch.cat([tower(pv, grid).last_hidden_state for pv, grid in per_image])
 
     with torch.inference_mode():
         reference = packed()

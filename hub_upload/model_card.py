@@ -1,8 +1,14 @@
-"""The README.md model card of an export: YAML front matter (license, source model) and usage instructions."""
+"""The README.md model card of an export: the Hub's metadata (license, source model) and usage instructions, built
+with huggingface_hub's `ModelCard` / `ModelCardData`, which write the metadata as the YAML front matter the Hub
+reads."""
 
 from dataclasses import dataclass
 
+from huggingface_hub import ModelCard, ModelCardData
+
 REPO_PLACEHOLDER = "ORG/NAME"
+# huggingface_hub renders `card_data` as YAML between the front-matter markers; the body is inserted as is.
+CARD_TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}"
 
 
 @dataclass(frozen=True)
@@ -16,26 +22,18 @@ class ModelCardInfo:
 
 def render_model_card(config: dict, info: ModelCardInfo) -> str:
     repo = info.repo_id or REPO_PLACEHOLDER
-    front_matter = [
-        "---",
-        f"license: {info.license}",
-        "library_name: transformers",
-        "pipeline_tag: image-text-to-text",
-        *([f"base_model: {info.base_model}"] if info.base_model else []),
-        "tags:",
-        "  - kimi_vl",
-        "  - custom_code",
-        "---",
-    ]
+    card_data = ModelCardData(
+        license=info.license,
+        library_name="transformers",
+        pipeline_tag="image-text-to-text",
+        base_model=info.base_model,
+        tags=["kimi_vl", "custom_code"],
+    )
     source = (
         f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model else "a Kimi-VL checkpoint"
     )
     vision, text = config["vision_config"], config["text_config"]
-    return (
-        "\n".join(front_matter)
-        + f"""
-
-# {repo.split("/")[-1]}
+    body = f"""# {repo.split("/")[-1]}
 
 The weights of {source}, unchanged (same tensor names, shapes and bits, re-sharded), packaged with the
 transformers-native Kimi-VL code of the kimi-vl-hf project. The code runs on transformers 5.x (>= 5.17): MoonViT
@@ -84,4 +82,4 @@ clone of the project: `make demo DEMO_ARGS="--model {repo}"`, or `python app.py 
 Weights: {source}, under the {info.license} license of the original release. Code: the kimi-vl-hf project, exported by
 `python -m hub_upload export`.
 """
-    )
+    return str(ModelCard.from_template(card_data, template_str=CARD_TEMPLATE, body=body))

@@ -11,6 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -79,23 +80,20 @@ def natural_key(name: str) -> list:
 
 
 def plan_shards(entries: list[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
-    """Split tensors, in natural name order, into consecutive shards of at most `max_shard_bytes`.
+    """Split tensors, in natural name order, into shards of at most `max_shard_bytes`, with huggingface_hub's planner
+    (the one `save_pretrained` uses); only the sizes from the headers are needed, no tensor is read.
 
     The plan depends only on the tensors, never on how the source was sharded, so exporting an export reproduces it.
     A tensor larger than the limit gets a shard of its own.
     """
-    shards: list[list[TensorEntry]] = []
-    current: list[TensorEntry] = []
-    current_bytes = 0
-    for entry in sorted(entries, key=lambda entry: natural_key(entry.name)):
-        if current and current_bytes + entry.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(entry)
-        current_bytes += entry.nbytes
-    if current:
-        shards.append(current)
-    return shards
+    by_name = {entry.name: entry for entry in sorted(entries, key=lambda entry: natural_key(entry.name))}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda entry: entry.nbytes,
+        filename_pattern="model{suffix}.safetensors",  # the grouping is used; write_shards names the files
+        max_shard_size=max_shard_bytes,
+    )
+    return [[by_name[name] for name in names] for names in split.filename_to_tensors.values()]
 
 
 def write_shards(shards: list[list[TensorEntry]], out_dir: Path) -> dict:

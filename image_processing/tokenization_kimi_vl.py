@@ -18,6 +18,7 @@ import shutil
 import tiktoken
 import transformers
 from transformers import AddedToken, PreTrainedTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging
 
 
@@ -79,16 +80,8 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters, used for token strings of BPE tokens."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {byte: chr(byte) for byte in printable}
-    unprintable = [byte for byte in range(256) if byte not in mapping]
-    mapping.update({byte: chr(256 + offset) for offset, byte in enumerate(unprintable)})
-    return mapping
-
-
-BYTE_TO_CHAR = _byte_to_char()
+# GPT-2's reversible map from bytes to printable characters, used for the token strings of BPE tokens.
+BYTE_TO_CHAR = bytes_to_unicode()
 
 
 def _content(token) -> str:

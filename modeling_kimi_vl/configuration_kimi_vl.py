@@ -31,6 +31,15 @@ class MoonViTConfig(PreTrainedConfig):
 
     model_type = "moonvit"
     base_config_key = "vision_config"
+    # Weight mode (`mm_encoder_tp_mode="weight"`, or the tower loaded alone): whole attention heads per rank. `wqkv`
+    # rows are all q heads, then all k, then all v, so it needs the strided split "packed_qkv_colwise" (registered in
+    # parallel_kimi_vl.py). Norms, patch embedding, position table, rotary angles and the patch merger stay replicated.
+    base_model_tp_plan = {
+        "encoder.blocks.*.wqkv": "packed_qkv_colwise",
+        "encoder.blocks.*.wo": "rowwise",
+        "encoder.blocks.*.mlp.fc0": "colwise",
+        "encoder.blocks.*.mlp.fc1": "rowwise",
+    }
 
     patch_size: int = 14
     init_pos_emb_height: int = 64
@@ -69,6 +78,19 @@ class KimiVLConfig(PreTrainedConfig):
 
     model_type = "kimi_vl"
     sub_configs = {"vision_config": MoonViTConfig, "text_config": DeepseekV3Config}
+    # What the nested models' own plans leave out (the vision tower brings `vision_tower.*` from MoonViTConfig,
+    # DeepSeek-V3 its MLP, experts and lm_head): the MLA attention, split by heads. The query projection and
+    # `kv_b_proj` (the per-head expansion of the shared latent) are column-wise, `o_proj` row-wise;
+    # `kv_a_proj_with_mqa` produces the latent every head reads, so it stays whole, its style only summing the rotary
+    # part's gradient across ranks. As in transformers' DeepSeek-V2 plan, the query projection is `q_proj` without a
+    # query LoRA (the published checkpoints) and `q_b_proj` with one; the rule whose module does not exist matches none.
+    base_model_tp_plan = {
+        "language_model.model.layers.*.self_attn.q_proj": "colwise",
+        "language_model.model.layers.*.self_attn.q_b_proj": "colwise",
+        "language_model.model.layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "language_model.model.layers.*.self_attn.kv_b_proj": "colwise",
+        "language_model.model.layers.*.self_attn.o_proj": "rowwise",
+    }
 
     vision_config: dict | PreTrainedConfig | None = None
     text_config: dict | PreTrainedConfig | None = None

@@ -5,8 +5,8 @@ Data flow of one multimodal forward:
 
     pixel_values [L, 3, 14, 14], image_grid_hws [N, 2]      (all images' patches, concatenated in image order)
       -> MoonViTModel                   -> merged patches  [M, 4, vision hidden]   (M = sum rows*cols/4)
-      -> KimiVLMultiModalProjector      -> image features  [M, text hidden]
-      -> written over the <|media_pad|> rows of the token embeddings, in order
+      -> KimiVLMultiModalProjector      -> image features  [M, text hidden]        (get_image_features: per image)
+      -> written over the <|media_pad|> rows of the token embeddings, in order    (embed_inputs, get_placeholder_mask)
       -> DeepseekV3ForCausalLM          -> logits
 """
 
@@ -19,19 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import is_flash_attention_requested
+from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
 from .generation_kimi_vl import CACHE_ARGUMENT, KimiVLStaticGenerationMixin
-from .parallel_kimi_vl import (
-    MOONVIT_TP_PLAN,
-    check_kimi_vl_tp_size,
-    check_vision_tp_size,
-    encode_images_data_parallel,
-    kimi_vl_tp_plan,
-)
+from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5
@@ -88,6 +85,12 @@ def read_image_grids(pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, c
     grid_hws = [(int(rows), int(cols)) for rows, cols in image_grid_hws.tolist()]
     validate_grids(grid_hws, pixel_values.shape[0], config.merge_kernel_size)
     return grid_hws
+
+
+def tokens_per_image(grid_hws, config: MoonViTConfig) -> list[int]:
+    """Language-model tokens of each image: its merged patches, rows*cols/4."""
+    kernel_rows, kernel_cols = config.merge_kernel_size
+    return [rows * cols // (kernel_rows * kernel_cols) for rows, cols in grid_hws]
 
 
 def validate_grids(grid_hws, num_patches: int, merge_kernel_size) -> None:
@@ -201,15 +204,52 @@ def apply_moonvit_rotary(states: torch.Tensor, rotation: torch.Tensor) -> torch.
     return torch.view_as_real(pairs * rotation.unsqueeze(1)).flatten(-2).type_as(states)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, **kwargs):
     """Reference attention over `[batch, heads, seq, head_dim]`, for `attn_implementation="eager"`."""
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
     return attn_output, attn_weights
+
+
+class MoonViTPackedAttention(nn.Module):
+    """Non-causal attention of every image with itself over the packed batch: block-diagonal, never across images.
+
+    It has no parameters (the projections are the block's `wqkv` and `wo`, where the checkpoints have them); it is a
+    module of its own so that `output_attentions=True` records its weights with transformers' output hooks. Returns the
+    output `[1, L, heads, head_dim]` and the weights: per image `[1, heads, n_i, n_i]` where the kernel gives them
+    (eager), else None.
+    """
+
+    def __init__(self, config: MoonViTConfig):
+        super().__init__()
+        self.config = config
+        self.scaling = (config.hidden_size // config.num_attention_heads) ** -0.5
+        self.is_causal = False
+
+    def forward(self, query, key, value, packed: PackedImages):
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        if is_flash_attention_requested(self.config):
+            # Varlen kernel over the packed sequence: one call, image boundaries from cu_seqlens.
+            return attention_interface(
+                self, query, key, value, attention_mask=None, scaling=self.scaling, is_causal=False,
+                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+                max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen,
+            )  # fmt: skip
+        # Dense kernels run image by image: exactly the block-diagonal attention, without an L x L mask in memory
+        # (L reaches 16k patches). Splits use host-side lengths, so no device sync happens here.
+        per_image = zip(*(states.split(packed.lengths, dim=2) for states in (query, key, value)))
+        outputs, weights = zip(
+            *(
+                attention_interface(self, q, k, v, attention_mask=None, scaling=self.scaling, is_causal=False)
+                for q, k, v in per_image
+            )
+        )
+        return torch.cat(outputs, dim=1), None if weights[0] is None else weights
 
 
 class MoonViTMLP(nn.Module):
@@ -231,12 +271,10 @@ class MoonViTEncoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: MoonViTConfig):
         super().__init__()
-        self.config = config
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim**-0.5
-        self.is_causal = False
         self.norm0 = nn.LayerNorm(config.hidden_size, eps=MOONVIT_LAYER_NORM_EPS)
         self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.packed_attention = MoonViTPackedAttention(config)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=MOONVIT_LAYER_NORM_EPS)
         self.mlp = MoonViTMLP(config)
@@ -251,31 +289,7 @@ class MoonViTEncoderLayer(GradientCheckpointingLayer):
         query, key = apply_moonvit_rotary(query, rotation), apply_moonvit_rotary(key, rotation)
         # transformers' attention functions take [batch, heads, seq, head_dim]; the packed images are one "batch row".
         query, key, value = (states.transpose(0, 1).unsqueeze(0) for states in (query, key, value))
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        dropout = 0.0
-        if is_flash_attention_requested(self.config):
-            # Varlen kernel over the packed sequence: one call, image boundaries from cu_seqlens.
-            attn_output, _ = attention_interface(
-                self, query, key, value, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False,
-                cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
-                max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen,
-            )  # fmt: skip
-        else:
-            # Dense kernels run image by image: exactly the block-diagonal attention, without an L x L mask in memory
-            # (L reaches 16k patches). Splits use host-side lengths, so no device sync happens here.
-            per_image = zip(*(states.split(packed.lengths, dim=2) for states in (query, key, value)))
-            attn_output = torch.cat(
-                [
-                    attention_interface(
-                        self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False
-                    )[0]
-                    for q, k, v in per_image
-                ],
-                dim=1,
-            )
+        attn_output, _ = self.packed_attention(query, key, value, packed)
         return self.wo(attn_output.reshape(num_patches, -1))
 
 
@@ -305,13 +319,16 @@ def merge_patches(hidden_states: torch.Tensor, grid_hws, merge_kernel_size) -> t
     return torch.cat(merged)
 
 
-class MoonViTPreTrainedModel(PreTrainedModel):
-    config: MoonViTConfig
+class KimiVLPreTrainedModel(PreTrainedModel):
+    """What the vision tower and the full model share: the attention backends, gradient checkpointing, weight
+    initialisation, and the load-time check of the tensor-parallel size."""
+
+    config: KimiVLConfig
     base_model_prefix = ""
-    main_input_name = "pixel_values"
-    input_modalities = ("image",)
+    input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
-    _no_split_modules = ["MoonViTEncoderLayer"]
+    _no_split_modules = ["MoonViTEncoderLayer", "DeepseekV3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -323,11 +340,22 @@ class MoonViTPreTrainedModel(PreTrainedModel):
         if isinstance(module, MoonViTPositionEmbedding):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
+        # from_pretrained calls this once, after building the model and before sharding or reading any weight.
+        if distributed_config is not None:
+            check_kimi_vl_tp_size(model.config, distributed_config.tp_size or 1)
+        return super().maybe_distribute_model(model, distributed_config, *mesh_args)
 
-class MoonViTModel(MoonViTPreTrainedModel):
+
+class MoonViTModel(KimiVLPreTrainedModel):
     """The vision tower: `pixel_values [L, 3, p, p]` + grids -> merged patches `[sum rows*cols/4, 4, hidden]`."""
 
-    _tp_plan = MOONVIT_TP_PLAN
+    config: MoonViTConfig
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    _no_split_modules = ["MoonViTEncoderLayer"]
+    _can_record_outputs = {"hidden_states": MoonViTEncoderLayer, "attentions": MoonViTPackedAttention}
 
     def __init__(self, config: MoonViTConfig):
         super().__init__(config)
@@ -335,28 +363,35 @@ class MoonViTModel(MoonViTPreTrainedModel):
         self.encoder = MoonViTEncoder(config)
         self.post_init()
 
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
-        # from_pretrained calls this once, after building the model and before sharding or reading any weight.
-        if distributed_config is not None:
-            check_vision_tp_size(model.config, distributed_config.tp_size or 1)
-        return super().maybe_distribute_model(model, distributed_config, *mesh_args)
+    # The recorded last hidden state stays the last block's output: `last_hidden_state` is merged, a different shape.
+    @capture_outputs(tie_last_hidden_states=False)
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> BaseModelOutput:
+        r"""
+        pixel_values (`torch.FloatTensor` of shape `[total patches, 3, patch, patch]`):
+            All images' patches, concatenated in image order, as the processor returns them.
+        image_grid_hws (`torch.LongTensor` of shape `[num_images, 2]`):
+            Patch rows and columns of each image.
 
-    def forward(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        return self.encode(pixel_values, read_image_grids(pixel_values, image_grid_hws, self.config))
-
-    def encode(self, pixel_values: torch.Tensor, grid_hws) -> torch.Tensor:
-        """The forward pass on validated host-side grids (see `read_image_grids`); no images give `[0, 4, hidden]`."""
+        Returns a `BaseModelOutput`: `last_hidden_state` holds the merged patches `[sum rows*cols/4, 4, hidden]` in
+        image order (`[0, 4, hidden]` for no images). With `output_hidden_states=True`, `hidden_states` holds the patch
+        embeddings and every block's output, `[total patches, hidden]` each; with `output_attentions=True` and the
+        eager implementation, `attentions` holds every block's weights, per image `[1, heads, n_i, n_i]`.
+        """
+        grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config)
         kernel_rows, kernel_cols = self.config.merge_kernel_size
         if not grid_hws:
-            return pixel_values.new_zeros((0, kernel_rows * kernel_cols, self.config.hidden_size), dtype=self.dtype)
+            merged = pixel_values.new_zeros((0, kernel_rows * kernel_cols, self.config.hidden_size), dtype=self.dtype)
+            return BaseModelOutput(last_hidden_state=merged)
         packed = PackedImages.from_grids(grid_hws, pixel_values.device)
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         angles = moonvit_rotary_angles(packed.grid_hws, head_dim, pixel_values.device)
         rotation = torch.polar(torch.ones_like(angles), angles)
         hidden_states = self.patch_embed(pixel_values, packed.grid_hws)
         hidden_states = self.encoder(hidden_states, rotation, packed)
-        return merge_patches(hidden_states, packed.grid_hws, self.config.merge_kernel_size)
+        merged = merge_patches(hidden_states, packed.grid_hws, self.config.merge_kernel_size)
+        return BaseModelOutput(last_hidden_state=merged)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -381,19 +416,6 @@ class KimiVLMultiModalProjector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(hidden_states)))
 
 
-class KimiVLPreTrainedModel(PreTrainedModel):
-    config: KimiVLConfig
-    base_model_prefix = ""
-    input_modalities = ("image", "text")
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["MoonViTEncoderLayer", "DeepseekV3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-
-
 class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerationMixin, GenerationMixin):
     """Kimi-VL for image-text-to-text generation. Submodules are named as in the release, so its checkpoints load
     unchanged: `vision_tower.*`, `multi_modal_projector.*`, `language_model.{model,lm_head}.*`."""
@@ -404,16 +426,17 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         self.multi_modal_projector = KimiVLMultiModalProjector(config)
         self.language_model = DeepseekV3ForCausalLM(config.text_config)
         self.post_init()
-        # post_init gathered the nested models' plans; complete them here, in the class, rather than rely on how a
-        # transformers version merges a plan passed at load time.
-        self._tp_plan = kimi_vl_tp_plan(config, self._tp_plan)
 
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
-        # from_pretrained calls this once, after building the model and before sharding or reading any weight.
-        if distributed_config is not None:
-            check_kimi_vl_tp_size(model.config, distributed_config.tp_size or 1)
-        return super().maybe_distribute_model(model, distributed_config, *mesh_args)
+    def init_parallel_plans(self) -> None:
+        """post_init composes the tensor-parallel plan from the declared ones: `KimiVLConfig.base_model_tp_plan` (the
+        MLA attention) and the nested models' (`vision_tower.*` from `MoonViTConfig`, `language_model.*` from
+        `DeepseekV3Config`). In data mode the vision tower stays whole: every rank runs all of it on its share of the
+        images. The projector is always replicated."""
+        super().init_parallel_plans()
+        # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
+        if check_mm_encoder_tp_mode(self.config.mm_encoder_tp_mode) == "data":
+            plan = self._tp_plan.items()
+            self._tp_plan = {name: style for name, style in plan if not name.startswith("vision_tower.")}
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -430,46 +453,61 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
     def get_decoder(self) -> nn.Module:
         return self.language_model.get_decoder()
 
-    def encode_images(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        """Vision tower output before the projector, `[total merged tokens, 4, vision hidden]` in image order.
+    @can_return_tuple
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> BaseModelOutputWithPooling:
+        r"""
+        The images through the vision tower and the projector, the same in every parallel mode.
 
-        This is the seam where a parallel encoder mode plugs in: it only has to return the same tensor.
+        Returns a `BaseModelOutputWithPooling`: `last_hidden_state` holds the vision tower's merged patches
+        `[total image tokens, 4, vision hidden]`, `pooler_output` the projected features split per image, a tuple of
+        `[rows*cols/4, text hidden]` in image order; `hidden_states` / `attentions` are the tower's, when asked for.
         """
-        # Validated here, on every rank, before any rank encodes: in data mode, one rank failing alone would leave the
-        # others waiting in the gather.
+        # Read to the host once and checked on every rank before any rank encodes: in data mode, one rank failing
+        # alone would leave the others waiting in the gather.
         grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config.vision_config)
         if self.config.mm_encoder_tp_mode == "data" and (self.tp_size or 1) > 1:
-            return encode_images_data_parallel(self.vision_tower, pixel_values, grid_hws)
-        return self.vision_tower.encode(pixel_values, grid_hws)
+            merged = encode_images_data_parallel(self.vision_tower, pixel_values, grid_hws, **kwargs)
+            vision_outputs = BaseModelOutput(last_hidden_state=merged)  # the tower's output, without recordings
+        else:
+            # A host copy of the grids: the tower reads it without another device sync.
+            host_grid_hws = torch.tensor(grid_hws, dtype=torch.long).view(-1, 2)
+            vision_outputs = self.vision_tower(pixel_values, host_grid_hws, **kwargs)
+        merged = vision_outputs.last_hidden_state
+        image_features = self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
+        return BaseModelOutputWithPooling(
+            last_hidden_state=merged,
+            pooler_output=image_features.split(tokens_per_image(grid_hws, self.config.vision_config)),
+            hidden_states=vision_outputs.hidden_states,
+            attentions=vision_outputs.attentions,
+        )
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hws: torch.Tensor) -> torch.Tensor:
-        """Projected image features, ONE tensor `[total image tokens, text hidden]` in image order."""
-        merged = self.encode_images(pixel_values, image_grid_hws)
-        return self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
-
-    def placeholder_mask(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """Boolean `[batch, seq]` mask of the `<|media_pad|>` positions (from the ids, or the embeddings if no ids)."""
+    def get_placeholder_mask(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.FloatTensor,
+        image_features: torch.FloatTensor | None = None,
+    ) -> torch.BoolTensor:
+        """Boolean `[batch, seq, 1]` mask of the `<|media_pad|>` positions, from the ids (or from the embeddings when
+        there are no ids). With `image_features [tokens, hidden]`, checks that there is one placeholder per token."""
         placeholder_id = self.config.media_placeholder_token_id
         if input_ids is not None:
-            return input_ids == placeholder_id
-        placeholder_embedding = self.get_input_embeddings()(
-            torch.tensor(placeholder_id, dtype=torch.long, device=inputs_embeds.device)
-        )
-        return (inputs_embeds == placeholder_embedding).all(-1)
-
-    def merge_image_features(
-        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor, image_features: torch.Tensor
-    ) -> torch.Tensor:
-        """Write the image features over the placeholder rows, in order (batch-major, then sequence)."""
-        mask = self.placeholder_mask(input_ids, inputs_embeds)
-        num_placeholders = int(mask.sum())  # one host read per prefill; a mismatch must not pass silently
-        if num_placeholders != image_features.shape[0]:
-            raise ValueError(
-                f"The prompt has {num_placeholders} image placeholder tokens "
-                f"(id {self.config.media_placeholder_token_id}) but the images give {image_features.shape[0]} "
-                "features; each image needs rows*cols/4 placeholders (the processor expands them)."
+            mask = input_ids == placeholder_id
+        else:
+            placeholder_embedding = self.get_input_embeddings()(
+                torch.tensor(placeholder_id, dtype=torch.long, device=inputs_embeds.device)
             )
-        return inputs_embeds.masked_scatter(mask.unsqueeze(-1), image_features.to(inputs_embeds.dtype))
+            mask = (inputs_embeds == placeholder_embedding).all(-1)
+        if image_features is not None:
+            num_placeholders = int(mask.sum())  # one host read per prefill; a mismatch must not pass silently
+            if num_placeholders != image_features.shape[0]:
+                raise ValueError(
+                    f"The prompt has {num_placeholders} image placeholder tokens (id {placeholder_id}) but the images "
+                    f"give {image_features.shape[0]} features; each image needs rows*cols/4 placeholders (the "
+                    "processor expands them)."
+                )
+        return mask.unsqueeze(-1)
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """`generate` repeats every batch-major input `expand_size` times (num_return_sequences, num_beams). The
@@ -489,16 +527,15 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         return input_ids, {**model_kwargs, **images}
 
     def _repeat_images_per_prompt(self, input_ids, inputs_embeds, pixel_values, image_grid_hws, expand_size: int):
-        kernel_rows, kernel_cols = self.config.vision_config.merge_kernel_size
         grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config.vision_config)
-        tokens_per_image = [rows * cols // (kernel_rows * kernel_cols) for rows, cols in grid_hws]
-        placeholders_per_prompt = self.placeholder_mask(input_ids, inputs_embeds).sum(-1).tolist()
+        image_tokens = tokens_per_image(grid_hws, self.config.vision_config)
+        placeholders_per_prompt = self.get_placeholder_mask(input_ids, inputs_embeds).sum((1, 2)).tolist()
         # The images belong to the prompts in order: each prompt takes images until its placeholders are filled.
         images_per_prompt, next_image = [], 0
         for prompt, placeholders in enumerate(placeholders_per_prompt):
             first_image, filled = next_image, 0
             while filled < placeholders and next_image < len(grid_hws):
-                filled += tokens_per_image[next_image]
+                filled += image_tokens[next_image]
                 next_image += 1
             if filled != placeholders:
                 raise ValueError(
@@ -560,8 +597,11 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         if pixel_values is not None:
-            image_features = self.get_image_features(pixel_values, image_grid_hws)
-            inputs_embeds = self.merge_image_features(input_ids, inputs_embeds, image_features)
+            # This is where the image features are written over the placeholders, in order (batch-major, then sequence).
+            features_per_image = self.get_image_features(pixel_values, image_grid_hws).pooler_output
+            image_features = torch.cat([inputs_embeds.new_zeros((0, inputs_embeds.shape[-1])), *features_per_image])
+            mask = self.get_placeholder_mask(input_ids, inputs_embeds, image_features)
+            inputs_embeds = inputs_embeds.masked_scatter(mask, image_features.to(inputs_embeds.dtype))
         return inputs_embeds
 
     def forward(
@@ -576,7 +616,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         image_grid_hws: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
         pixel_values (`torch.FloatTensor` of shape `[total patches, 3, patch, patch]`):
@@ -606,7 +646,6 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
 
 
 __all__ = [
-    "MoonViTPreTrainedModel",
     "MoonViTModel",
     "KimiVLPreTrainedModel",
     "KimiVLForConditionalGeneration",

@@ -1,4 +1,5 @@
-"""Multi-process Kimi-VL: the tensor-parallel plan and the data-parallel vision encoder.
+"""Multi-process Kimi-VL: the tensor-parallel style of the fused vision `wqkv`, the load-time checks of the TP size,
+and the data-parallel vision encoder. The plans themselves are declared on the configs (`base_model_tp_plan`).
 
 Under `torchrun --nproc_per_node N` with `from_pretrained(..., tp_plan="auto")` every rank sees the same inputs. The
 language model is always tensor-parallel; the vision tower runs in one of two modes (`mm_encoder_tp_mode`):
@@ -8,8 +9,8 @@ language model is always tensor-parallel; the vision tower runs in one of two mo
   are all-gathered once and put back in image order, so the projector and everything after it see exactly what a
   single process would.
 
-Both modes return the same thing as the single-process model: ONE tensor `[total merged tokens, 4, hidden]` in image
-order.
+Both modes return the same thing as the single-process model: the merged patches `[total merged tokens, 4, hidden]` in
+image order.
 """
 
 from collections.abc import Sequence
@@ -21,8 +22,10 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
 
 
 def process_state() -> PartialState:
@@ -32,7 +35,7 @@ def process_state() -> PartialState:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Tensor-parallel plan
+# Tensor parallelism
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -59,45 +62,8 @@ class PackedQKVColwiseParallel(PackedColwiseParallel):
         )
 
 
-PACKED_QKV_COLWISE = "packed_qkv_colwise"
-ALL_PARALLEL_STYLES.register(PACKED_QKV_COLWISE, PackedQKVColwiseParallel())
-
-# MoonViT in weight mode. Norms, patch embedding, position table, rotary angles and the patch merger stay replicated.
-MOONVIT_TP_PLAN = {
-    "encoder.blocks.*.wqkv": PACKED_QKV_COLWISE,
-    "encoder.blocks.*.wo": "rowwise",
-    "encoder.blocks.*.mlp.fc0": "colwise",
-    "encoder.blocks.*.mlp.fc1": "rowwise",
-}
-
-
-def language_model_attention_tp_plan(text_config) -> dict[str, str]:
-    """MLA attention of the nested DeepSeek-V3, whose own plan shards only its MLP, MoE and lm_head.
-
-    Heads are split across ranks: the query projection and `kv_b_proj` (the per-head expansion of the shared latent)
-    column-wise, `o_proj` row-wise. `kv_a_proj_with_mqa` produces the latent that every head reads, so it stays whole;
-    its style only sums the rotary part's gradient across ranks.
-    """
-    prefix = "language_model.model.layers.*.self_attn"
-    query_projection = "q_proj" if text_config.q_lora_rank is None else "q_b_proj"
-    return {
-        f"{prefix}.{query_projection}": "colwise",
-        f"{prefix}.kv_a_proj_with_mqa": "mla_kv_a_proj",
-        f"{prefix}.kv_b_proj": "colwise",
-        f"{prefix}.o_proj": "rowwise",
-    }
-
-
-def kimi_vl_tp_plan(config: KimiVLConfig, nested_plan: dict[str, str]) -> dict[str, str]:
-    """The whole model's plan, from the plans its nested models brought (`vision_tower.*` from `MOONVIT_TP_PLAN`,
-    `language_model.*` from DeepSeek-V3) plus the attention entries DeepSeek-V3 lacks. In data mode the tower's
-    entries are dropped: it stays replicated. The projector is always replicated."""
-    # from_pretrained(..., mm_encoder_tp_mode=...) sets the attribute after the config validated itself.
-    mode = check_mm_encoder_tp_mode(config.mm_encoder_tp_mode)
-    plan = {
-        name: style for name, style in nested_plan.items() if mode == "weight" or not name.startswith("vision_tower.")
-    }
-    return plan | language_model_attention_tp_plan(config.text_config)
+# The style MoonViTConfig.base_model_tp_plan names for `wqkv`.
+ALL_PARALLEL_STYLES.register("packed_qkv_colwise", PackedQKVColwiseParallel())
 
 
 def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
@@ -111,9 +77,13 @@ def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
         )
 
 
-def check_kimi_vl_tp_size(config: KimiVLConfig, tp_size: int) -> None:
-    """Reject, at load and before any weight is read, a TP size the model cannot be split by."""
+def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) -> None:
+    """Reject, at load and before any weight is read, a TP size the model (or the vision tower loaded alone, which
+    is always weight-sharded) cannot be split by."""
     if tp_size <= 1:
+        return
+    if isinstance(config, MoonViTConfig):
+        check_vision_tp_size(config, tp_size)
         return
     text_config = config.text_config
     for what, count in (
@@ -163,16 +133,20 @@ def assign_images_to_ranks(loads: Sequence[int], num_ranks: int) -> list[list[in
 
 
 def encode_images_data_parallel(
-    vision_tower: nn.Module, pixel_values: torch.Tensor, grid_hws: Sequence[tuple[int, int]]
+    vision_tower: nn.Module,
+    pixel_values: torch.Tensor,
+    grid_hws: Sequence[tuple[int, int]],
+    **kwargs: Unpack[TransformersKwargs],
 ) -> torch.Tensor:
     """Encode the images across all processes; every process returns the full `[total merged tokens, 4, hidden]` in
-    image order.
+    image order (the vision tower's `last_hidden_state`).
 
     `grid_hws` must be validated on every rank before this call, since a rank that failed alone would leave the
     others waiting in the gather. Every rank derives the same assignment from the same grids, so each knows every
     rank's token count without communicating: each pads to the largest count itself (accelerate's
     `pad_across_processes` would first all-gather the sizes and read them back to the host), and the only collective
-    is one all-gather through accelerate's `gather`.
+    is one all-gather through accelerate's `gather`. `kwargs` are the tower's output options: recording hidden states
+    or attentions is refused, since each rank sees only its own images.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -187,6 +161,16 @@ def encode_images_data_parallel(
             "does), freeze the vision tower (requires_grad_(False)), or load with mm_encoder_tp_mode='weight' to "
             "train it."
         )
+    recording = [
+        option
+        for option in ("output_hidden_states", "output_attentions")
+        if kwargs.get(option, getattr(vision_tower.config, option, False))
+    ]
+    if recording:
+        raise ValueError(
+            f"{' and '.join(recording)} cannot be given with mm_encoder_tp_mode='data': each process encodes only its "
+            "share of the images. Load with mm_encoder_tp_mode='weight', or run the vision tower in one process."
+        )
     state = process_state()
     kernel_rows, kernel_cols = vision_tower.config.merge_kernel_size
     patches_per_image = [rows * cols for rows, cols in grid_hws]
@@ -200,7 +184,8 @@ def encode_images_data_parallel(
     if my_images:
         patch_slices = pixel_values.split(patches_per_image)
         my_pixels = torch.cat([patch_slices[image] for image in my_images])
-        my_features = vision_tower.encode(my_pixels, [grid_hws[image] for image in my_images])
+        my_grid_hws = torch.tensor([grid_hws[image] for image in my_images], dtype=torch.long)  # on the host
+        my_features = vision_tower(my_pixels, my_grid_hws).last_hidden_state
     else:
         # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
         my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
@@ -220,11 +205,9 @@ def encode_images_data_parallel(
 
 
 __all__ = [
-    "MOONVIT_TP_PLAN",
     "PackedQKVColwiseParallel",
     "assign_images_to_ranks",
     "check_kimi_vl_tp_size",
     "check_vision_tp_size",
     "encode_images_data_parallel",
-    "kimi_vl_tp_plan",
 ]

@@ -64,16 +64,14 @@ def build_scenarios(expected: dict[str, torch.Tensor]) -> dict[str, dict[str, to
 
 @torch.no_grad()
 def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) -> None:
-    """Logits, greedy tokens and merged vision features of every scenario, and the grids this rank's vision tower
-    encoded during each scenario's forward."""
+    """Logits, greedy tokens and image features (the tower's merged patches, the projected features per image) of
+    every scenario, and the grids this rank's vision tower encoded during each scenario's forward."""
     tower_grids = []
-    encode = model.vision_tower.encode
 
-    def recording_encode(pixel_values, grid_hws):
-        tower_grids.append([list(grid) for grid in grid_hws])
-        return encode(pixel_values, grid_hws)
+    def record_grids(tower, args):
+        tower_grids.append(args[1].tolist())  # (pixel_values, image_grid_hws): the tower gets the grids on the host
 
-    model.vision_tower.encode = recording_encode  # on this instance only; deleted below
+    hook = model.vision_tower.register_forward_pre_hook(record_grids)
     for name, inputs in scenarios.items():
         tower_grids.clear()
         results[f"{prefix}.{name}.logits"] = model(**inputs).logits
@@ -84,8 +82,11 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
                 **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
             )
         if "pixel_values" in inputs:
-            results[f"{prefix}.{name}.merged"] = model.encode_images(inputs["pixel_values"], inputs["image_grid_hws"])
-    del model.vision_tower.encode
+            features = model.get_image_features(inputs["pixel_values"], inputs["image_grid_hws"])
+            results[f"{prefix}.{name}.merged"] = features.last_hidden_state
+            for image, image_features in enumerate(features.pooler_output):
+                results[f"{prefix}.{name}.image_features.{image}"] = image_features
+    hook.remove()
 
 
 def main():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -29,6 +30,7 @@ from hub_upload import (
     run_isolated,
 )
 from hub_upload.__main__ import main as cli_main
+from hub_upload.model_card import ModelCardInfo, render_model_card
 from hub_upload.push import check_repo_id
 from hub_upload.remote_code import MODEL_AUTO_MAP, PREPROCESSOR_AUTO_MAP, TOKENIZER_AUTO_MAP
 from hub_upload.weights import parse_size
@@ -181,10 +183,23 @@ def test_export_contents(exported, source):
     for name in SHIPPED_CODE:
         code = (exported / name).read_text()
         assert "from modeling_kimi_vl" not in code and "from image_processing" not in code
-    card = (exported / "README.md").read_text()
-    assert card.startswith("---\nlicense: mit\n") and "trust_remote_code=True" in card and "torchrun" in card
+    card = ModelCard.load(exported / "README.md")  # YAML front matter, as the Hub reads it
+    assert (card.data.license, card.data.library_name, card.data.pipeline_tag) == (
+        "mit", "transformers", "image-text-to-text"
+    )
+    assert card.data.tags == ["kimi_vl", "custom_code"]
+    assert "trust_remote_code=True" in card.text and "torchrun" in card.text
     assert tensor_bytes(exported) == tensor_bytes(source)
     assert check_export_folder(exported) == []
+
+
+def test_model_card_metadata_names_the_source_model_and_license(exported):
+    config = json.loads((exported / "config.json").read_text())
+    info = ModelCardInfo(license="other", base_model="moonshotai/Kimi-VL-A3B-Instruct", repo_id="me/kimi-vl")
+    card = ModelCard(render_model_card(config, info))
+    assert (card.data.license, card.data.base_model) == ("other", "moonshotai/Kimi-VL-A3B-Instruct")
+    assert 'repo = "me/kimi-vl"' in card.text
+    assert "[moonshotai/Kimi-VL-A3B-Instruct](https://huggingface.co/moonshotai/Kimi-VL-A3B-Instruct)" in card.text
 
 
 def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, reference_dir, expected, tmp_path):

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig, kimi_vl_a3b_config
+from modeling_kimi_vl.modeling_kimi_vl import PackedImages, merge_patches, moonvit_rotary_angles
 
 RTOL = 1e-4  # what the original code's own float32 arithmetic allows (fixture README)
 
@@ -112,12 +113,14 @@ def test_real_kimi_vl_a3b_config_has_the_published_parameter_count():
 
 @torch.no_grad()
 def test_vision_tower_and_projector_match_reference(reference_model, expected):
-    merged = reference_model.vision_tower(expected["pixel_values"], expected["image_grid_hws"])
+    merged = reference_model.vision_tower(expected["pixel_values"], expected["image_grid_hws"]).last_hidden_state
     assert merged.shape == expected["vision_merged"].shape
     assert_close(merged, expected["vision_merged"])
     features = reference_model.get_image_features(expected["pixel_values"], expected["image_grid_hws"])
-    assert features.shape == expected["projected"].shape  # one tensor, image order
-    assert_close(features, expected["projected"])
+    assert torch.equal(features.last_hidden_state, merged)
+    tokens_per_image = [rows * cols // 4 for rows, cols in expected["image_grid_hws"].tolist()]
+    assert [image.shape[0] for image in features.pooler_output] == tokens_per_image  # one tensor per image, in order
+    assert_close(torch.cat(features.pooler_output), expected["projected"])
 
 
 @torch.no_grad()
@@ -125,8 +128,9 @@ def test_single_image_in_a_batch_equals_it_alone(reference_model, expected):
     first = expected["single_vision_merged"]
     rows, cols = expected["image_grid_hws"][0].tolist()
     alone = reference_model.vision_tower(expected["pixel_values"][: rows * cols], expected["image_grid_hws"][:1])
+    alone = alone.last_hidden_state
     assert_close(alone, first)
-    batched = reference_model.vision_tower(expected["pixel_values"], expected["image_grid_hws"])
+    batched = reference_model.vision_tower(expected["pixel_values"], expected["image_grid_hws"]).last_hidden_state
     assert_close(batched[: first.shape[0]], first)
 
 
@@ -207,9 +211,10 @@ def test_eager_attention_is_block_diagonal_like_sdpa(reference_checkpoint, refer
     assert eager.config._attn_implementation == "eager"
     grids = [(4, 6), (8, 2), (2, 2)]
     pixel_values, grid_hws = random_images(grids)
-    batched = eager(pixel_values, grid_hws)
-    assert_close(batched, reference_model.vision_tower(pixel_values, grid_hws))
-    alone = [eager(pv, grid_hws[i : i + 1]) for i, pv in enumerate(pixel_values.split([r * c for r, c in grids]))]
+    batched = eager(pixel_values, grid_hws).last_hidden_state
+    assert_close(batched, reference_model.vision_tower(pixel_values, grid_hws).last_hidden_state)
+    per_image = pixel_values.split([r * c for r, c in grids])
+    alone = [eager(pv, grid_hws[i : i + 1]).last_hidden_state for i, pv in enumerate(per_image)]
     assert_close(batched, torch.cat(alone))
 
 
@@ -239,8 +244,8 @@ def test_varlen_attention_gets_host_metadata_once_per_forward(reference_checkpoi
 
     grids = [(4, 6), (2, 2)]
     pixel_values, grid_hws = random_images(grids)
-    output = tower(pixel_values, grid_hws)
-    assert_close(output, reference_model.vision_tower(pixel_values, grid_hws))
+    output = tower(pixel_values, grid_hws).last_hidden_state
+    assert_close(output, reference_model.vision_tower(pixel_values, grid_hws).last_hidden_state)
     assert len(calls) == tower.config.num_hidden_layers
     assert all(cu is calls[0][0] for cu, _ in calls)  # the same tensor object: computed once, handed to every layer
     assert calls[0][0].tolist() == [0, 24, 28] and calls[0][1] == 24
@@ -279,6 +284,53 @@ def test_vision_blocks_do_not_read_device_tensors_back_to_the_host(reference_mod
         for handle in handles:
             handle.remove()
     assert not inside_block
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recorded outputs (feature extraction)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_vision_tower_records_hidden_states_of_every_block_plus_the_embeddings(reference_checkpoint):
+    # A model of its own: recording installs transformers' output hooks, which pickling (tested on the shared
+    # reference_model) does not take.
+    tower = vision_tower_with(reference_checkpoint, "sdpa")
+    grids = [(4, 6), (2, 2)]
+    pixel_values, grid_hws = random_images(grids)
+    output = tower(pixel_values, grid_hws, output_hidden_states=True)
+    assert len(output.hidden_states) == tower.config.num_hidden_layers + 1
+    assert all(states.shape == (28, tower.config.hidden_size) for states in output.hidden_states)
+    assert torch.equal(output.hidden_states[0], tower.patch_embed(pixel_values, grids))
+    blocks = tower.encoder.blocks
+    angles = moonvit_rotary_angles(grids, tower.config.hidden_size // tower.config.num_attention_heads, "cpu")
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    packed = PackedImages.from_grids(grids, pixel_values.device)
+    for index, block in enumerate(blocks):  # each entry is its block's output on the previous entry
+        assert_close(output.hidden_states[index + 1], block(output.hidden_states[index], rotation, packed), rtol=1e-6)
+    # last_hidden_state stays the merged patches, made from the last block's output through the final norm.
+    final = merge_patches(tower.encoder.final_layernorm(output.hidden_states[-1]), grids, (2, 2))
+    assert torch.equal(output.last_hidden_state, final)
+    assert torch.equal(output.last_hidden_state, tower(pixel_values, grid_hws).last_hidden_state)
+    assert tower(pixel_values, grid_hws).hidden_states is None  # recorded only when asked
+
+
+@torch.no_grad()
+def test_eager_vision_tower_records_attention_per_image_and_get_image_features_passes_them_on(reference_checkpoint):
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, attn_implementation="eager").eval()
+    grids = [(4, 6), (2, 2)]
+    pixel_values, grid_hws = random_images(grids)
+    features = model.get_image_features(pixel_values, grid_hws, output_attentions=True, output_hidden_states=True)
+    heads = model.config.vision_config.num_attention_heads
+    assert len(features.attentions) == model.config.vision_config.num_hidden_layers
+    for per_image in features.attentions:
+        assert [weights.shape for weights in per_image] == [(1, heads, 24, 24), (1, heads, 4, 4)]
+        for weights in per_image:
+            torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    assert len(features.hidden_states) == model.config.vision_config.num_hidden_layers + 1
+    plain = model.get_image_features(pixel_values, grid_hws)
+    assert plain.attentions is None and plain.hidden_states is None
+    assert torch.equal(features.last_hidden_state, plain.last_hidden_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -335,15 +387,15 @@ def test_position_embedding_follows_weight_changes(reference_checkpoint, write):
     pixel_values, grid_hws = random_images([(4, 6)])
     new_table = model.vision_tower.patch_embed.pos_emb.weight.detach() + 0.5
     with torch.no_grad():
-        before = model.vision_tower(pixel_values, grid_hws)
+        before = model.vision_tower(pixel_values, grid_hws).last_hidden_state
         if write == "load_state_dict":
             model.vision_tower.load_state_dict({"patch_embed.pos_emb.weight": new_table}, strict=False)
         else:  # bypasses the version counter, as weight-sync code in RL loops does
             model.vision_tower.patch_embed.pos_emb.weight.data.copy_(new_table)
-        after = model.vision_tower(pixel_values, grid_hws)
+        after = model.vision_tower(pixel_values, grid_hws).last_hidden_state
         fresh = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint).eval()
         fresh.vision_tower.load_state_dict({"patch_embed.pos_emb.weight": new_table}, strict=False)
-        expected_after = fresh.vision_tower(pixel_values, grid_hws)
+        expected_after = fresh.vision_tower(pixel_values, grid_hws).last_hidden_state
     assert not torch.allclose(before, after)
     assert torch.equal(after, expected_after)
 
@@ -429,6 +481,20 @@ def test_rotary_math_runs_in_float32():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def test_placeholder_mask_from_ids_equals_the_one_from_embeddings(reference_model):
+    input_ids = torch.tensor([prompt_with_images([(4, 6)]), [5] * 3 + [300] * 6 + [6] * 3])
+    from_ids = reference_model.get_placeholder_mask(input_ids, None)
+    assert from_ids.shape == (2, 12, 1) and from_ids.dtype == torch.bool
+    assert from_ids.squeeze(-1).tolist() == (input_ids == 300).tolist()
+    inputs_embeds = reference_model.get_input_embeddings()(input_ids)
+    assert torch.equal(reference_model.get_placeholder_mask(None, inputs_embeds), from_ids)
+    features = torch.zeros(12, inputs_embeds.shape[-1])
+    assert torch.equal(reference_model.get_placeholder_mask(input_ids, inputs_embeds, features), from_ids)
+    with pytest.raises(ValueError, match="12 image placeholder tokens .* give 11 features"):
+        reference_model.get_placeholder_mask(None, inputs_embeds, features[:11])
+
+
 def test_placeholder_count_mismatch_names_both_numbers(reference_model):
     pixel_values, grid_hws = random_images([(4, 6)])
     input_ids = torch.tensor([[5] + [300] * 5 + [6]])
@@ -478,8 +544,9 @@ def test_num_return_sequences_repeats_each_prompts_images(reference_model):
 @torch.no_grad()
 def test_no_images_give_empty_features_as_in_data_parallel_mode(reference_model, expected):
     pixel_values, grid_hws = torch.zeros(0, 3, 14, 14), torch.zeros(0, 2, dtype=torch.long)
-    assert reference_model.vision_tower(pixel_values, grid_hws).shape == (0, 4, 48)
-    assert reference_model.get_image_features(pixel_values, grid_hws).shape == (0, 64)
+    assert reference_model.vision_tower(pixel_values, grid_hws).last_hidden_state.shape == (0, 4, 48)
+    features = reference_model.get_image_features(pixel_values, grid_hws)
+    assert features.last_hidden_state.shape == (0, 4, 48) and features.pooler_output == ()
     text_only = reference_model(input_ids=expected["txt_input_ids"], pixel_values=pixel_values, image_grid_hws=grid_hws)
     assert_close(text_only.logits, expected["txt_logits"])
 

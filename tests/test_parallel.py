@@ -27,6 +27,8 @@ WORKER_TIMEOUT_S = 300  # the worker takes ~15 s on 2 cores; a hung collective f
 SCENARIOS = ["two_images", "one_image", "three_images", "text_only"]
 IMAGE_SCENARIOS = [name for name in SCENARIOS if name != "text_only"]
 STATIC_SCENARIOS = ["two_images", "text_only"]  # those the worker also runs with cache_implementation="static"
+# The (rows, cols) of each image scenario's images, in order (tests/parallel_worker.py builds them).
+SCENARIO_GRIDS = {"two_images": [(12, 6), (8, 10)], "one_image": [(12, 6)], "three_images": [(16, 12), (2, 2), (4, 6)]}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -102,9 +104,12 @@ def test_plan_weight_mode_adds_the_vision_tower(reference_checkpoint):
 def test_plan_with_query_lora_shards_q_b_proj(tiny_config):
     config = tiny_config.__class__.from_dict(tiny_config.to_dict())
     config.text_config.q_lora_rank = 16
-    plan = KimiVLForConditionalGeneration(config)._tp_plan
+    model = KimiVLForConditionalGeneration(config)
+    projections = dict(model.language_model.model.layers[0].self_attn.named_children())
+    assert "q_b_proj" in projections and "q_proj" not in projections  # so only the q_b_proj rule applies
+    plan = model._tp_plan
     assert plan["language_model.model.layers.*.self_attn.q_b_proj"] == "colwise"
-    assert "language_model.model.layers.*.self_attn.q_proj" not in plan
+    assert "language_model.model.layers.*.self_attn.q_a_proj" not in plan  # the query latent stays whole
 
 
 def test_bad_mode_keyword_is_rejected(reference_checkpoint):
@@ -144,6 +149,13 @@ def test_data_parallel_encoder_on_one_process_returns_one_tensor(reference_model
     assert isinstance(merged, torch.Tensor)
     torch.testing.assert_close(merged, expected["vision_merged"], rtol=1e-4, atol=1e-5)
     assert empty.shape == (0, 4, 48) and empty.dtype == reference_model.vision_tower.dtype
+
+
+@pytest.mark.parametrize("option", ["output_hidden_states", "output_attentions"])
+def test_data_parallel_encoder_refuses_to_record_what_other_ranks_encode(reference_model, expected, option):
+    grids = [tuple(grid) for grid in expected["image_grid_hws"].tolist()]
+    with torch.no_grad(), pytest.raises(ValueError, match=f"{option} cannot be given with mm_encoder_tp_mode='data'"):
+        encode_images_data_parallel(reference_model.vision_tower, expected["pixel_values"], grids, **{option: True})
 
 
 def test_data_parallel_encoder_refuses_to_drop_gradients(reference_model, expected):
@@ -221,6 +233,22 @@ def assert_matches_single_process(results, single: str, parallel: str, scenario:
         torch.testing.assert_close(
             results[f"{parallel}.{scenario}.merged"], results[f"{single}.{scenario}.merged"], rtol=0, atol=1e-5
         )
+        for image in range(len(SCENARIO_GRIDS[scenario])):
+            key = f"{scenario}.image_features.{image}"
+            torch.testing.assert_close(results[f"{parallel}.{key}"], results[f"{single}.{key}"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+@pytest.mark.parametrize("scenario", IMAGE_SCENARIOS)
+@pytest.mark.parametrize("run", ["reference.single", "reference.data", "even.single", "even.weight"])
+def test_image_features_are_split_per_image_in_every_mode(rank_results, rank, scenario, run):
+    """get_image_features(...).pooler_output: one tensor per image, in image order, rows*cols/4 tokens each."""
+    results = rank_results[rank]
+    grids = SCENARIO_GRIDS[scenario]
+    per_image = [results[f"{run}.{scenario}.image_features.{image}"] for image in range(len(grids))]
+    assert f"{run}.{scenario}.image_features.{len(grids)}" not in results
+    assert [features.shape for features in per_image] == [(rows * cols // 4, 64) for rows, cols in grids]
+    assert results[f"{run}.{scenario}.merged"].shape == (sum(rows * cols // 4 for rows, cols in grids), 4, 48)
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
