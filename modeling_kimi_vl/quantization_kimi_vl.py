@@ -339,12 +339,18 @@ class WeightOnlyQuantize(ConversionOps):
     def convert(self, input_dict, **kwargs):
         ((name, value),) = input_dict.items()
         weight = value[0] if isinstance(value, list) else value
-        # A fused experts tensor is quantized one expert at a time: the float32 temporaries stay one expert big.
-        pieces = [self.scheme.quantize(part) for part in weight.split(1)] if weight.ndim == 3 else None
-        if pieces is None:
+        if weight.ndim == 2:
             quantized, scale = self.scheme.quantize(weight)
-        else:
-            quantized, scale = torch.cat([q for q, _ in pieces]), torch.cat([s for _, s in pieces])
+            return {name: quantized, f"{name}_scale": scale}
+        # Fused experts: one expert at a time into preallocated outputs, so the float32 temporaries stay one expert
+        # big and are the same size every time (the allocator reuses them instead of fragmenting).
+        out_features, in_features = weight.shape[1:]
+        quantized = weight.new_empty(
+            (weight.shape[0], *self.scheme.packed_shape(out_features, in_features)), dtype=self.scheme.storage_dtype
+        )
+        scale = weight.new_empty((weight.shape[0], *self.scheme.scale_shape(out_features, in_features)))
+        for expert in range(weight.shape[0]):
+            quantized[expert], scale[expert] = self.scheme.quantize(weight[expert])
         return {name: quantized, f"{name}_scale": scale}
 
 
