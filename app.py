@@ -38,7 +38,7 @@ from image_processing import (
     split_thinking,
     write_tiny_tokenizer,
 )
-from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
 TINY_MODEL = "tiny"
@@ -497,7 +497,13 @@ class PreparedPrompt:
 
 class ChatEngine:
     def __init__(
-        self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits, ignore_eos: bool = False
+        self,
+        checkpoint: Checkpoint,
+        device: str,
+        dtype: torch.dtype,
+        limits: InputLimits,
+        ignore_eos: bool = False,
+        quantize: str | None = None,
     ):
         self.checkpoint = checkpoint
         self.limits = limits
@@ -505,8 +511,12 @@ class ChatEngine:
         self.ignore_eos = ignore_eos
         log(f"loading the processor from {checkpoint.path}")
         self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
-        log(f"loading {checkpoint.name} onto {device} in {dtype}")
-        self.model = KimiVLForConditionalGeneration.from_pretrained(checkpoint.path, dtype=dtype, device_map=device)
+        log(f"loading {checkpoint.name} onto {device} in {dtype}" + (f", {quantize} weights" if quantize else ""))
+        # Weight-only quantization as the weights load (modeling_kimi_vl/quantization_kimi_vl.py).
+        quantization = {"quantization_config": KimiVLWeightOnlyConfig(quantize)} if quantize else {}
+        self.model = KimiVLForConditionalGeneration.from_pretrained(
+            checkpoint.path, dtype=dtype, device_map=device, **quantization
+        )
         self.model.eval()
         self.context_length = self.model.config.text_config.max_position_embeddings
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -743,6 +753,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quantize", choices=KimiVLWeightOnlyConfig.SCHEMES,
+                        help="load the language model's weights as int8 (per channel; Kimi-VL-A3B fits a 24 GB GPU) or "
+                             "int4 (groups of 128 inputs)")  # fmt: skip
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
     parser.add_argument("--queue-size", type=int, default=16, help="most requests waiting for the model (default 16)")
@@ -766,7 +779,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     checkpoint = resolve_checkpoint(args.model, args.cache_dir)
     limits = InputLimits(args.max_images, args.max_image_mb)
-    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos)
+    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos, quantize=args.quantize)
     log(f"ready: {checkpoint.name} ({checkpoint.kind}), context {engine.context_length} tokens")
     demo = build_demo(engine)
     demo.queue(max_size=args.queue_size)

@@ -280,3 +280,23 @@ def test_tensor_parallel_loading_is_refused(reference_checkpoint):
             reference_checkpoint, quantization_config=KimiVLWeightOnlyConfig(),
             distributed_config=DistributedConfig(tp_size=1),
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The demo
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
+    import app
+
+    args = app.parse_args(["--model", "tiny", "--quantize", "int8", "--cache-dir", str(tmp_path)])
+    checkpoint = app.resolve_checkpoint(args.model, args.cache_dir)
+    engine = app.ChatEngine(checkpoint, "cpu", torch.float32, app.InputLimits(8, 20.0), quantize=args.quantize)
+    assert isinstance(engine.model.language_model.model.layers[-1].mlp.experts, WeightOnlyExperts)
+    assert engine.model.language_model.lm_head.weight.dtype == torch.int8
+    inputs = engine.processor(text="Hello there", return_tensors="pt")
+    output = engine.model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=engine.pad_token_id)
+    assert output.shape[1] == inputs["input_ids"].shape[1] + 4
+    with pytest.raises(SystemExit):
+        app.parse_args(["--quantize", "int2"])
