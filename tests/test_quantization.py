@@ -23,15 +23,17 @@ from transformers import DistributedConfig
 from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
 from modeling_kimi_vl.quantization_kimi_vl import WeightOnlyExperts, WeightOnlyLinear
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TINY_GROUP_SIZE = 16  # divides the tiny model's input sizes (32, 64, 128)
 NEW_TOKENS = 12
 
 
-def load_quantized(checkpoint, scheme="int8", experts_implementation="grouped_mm"):
+def load_quantized(checkpoint, scheme="int8", experts_implementation="grouped_mm", **kwargs):
     config = KimiVLWeightOnlyConfig(scheme, group_size=TINY_GROUP_SIZE)
     # grouped_mm is the default; transformers 5.24 refuses to set it explicitly on this composite model (as it does
     # for the float model), so it is only ever passed for the others.
-    kwargs = {} if experts_implementation == "grouped_mm" else {"experts_implementation": experts_implementation}
+    if experts_implementation != "grouped_mm":
+        kwargs["experts_implementation"] = experts_implementation
     model = KimiVLForConditionalGeneration.from_pretrained(
         checkpoint, attn_implementation="sdpa", quantization_config=config, **kwargs
     )
@@ -220,6 +222,23 @@ def test_static_generation_equals_plain_generate_when_quantized(reference_checkp
         plain = model.generate(**request, max_new_tokens=8, do_sample=False)
         static = model.generate(**request, max_new_tokens=8, do_sample=False, cache_implementation="static")
         assert torch.equal(static, plain)
+
+
+@requires_cuda
+@pytest.mark.parametrize(("dtype", "experts_implementation"), [(torch.float32, "batched_mm"), (torch.bfloat16, "grouped_mm")])
+def test_cuda_graphs_replay_the_quantized_steps(reference_checkpoint, expected, dtype, experts_implementation):
+    """Quantized on load on the GPU; the static path's CUDA graphs give the eager steps' tokens (and plain generate's
+    in float32)."""
+    model = load_quantized(reference_checkpoint, experts_implementation=experts_implementation, dtype=dtype,
+                           device_map="cuda")  # fmt: skip
+    assert model.language_model.lm_head.weight.device.type == "cuda"
+    request = {"input_ids": expected["txt_input_ids"].cuda()}
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    graphs = model.generate(**request, **settings, cuda_graphs=True)
+    assert torch.equal(model.generate(**request, **settings, cuda_graphs=True), graphs)  # replayed
+    assert torch.equal(model.generate(**request, **settings, cuda_graphs=False), graphs)
+    if dtype == torch.float32:
+        assert torch.equal(model.generate(**request, max_new_tokens=12, do_sample=False, pad_token_id=0), graphs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
