@@ -17,11 +17,31 @@ import json
 
 import pytest
 import torch
+import transformers
+from packaging import version
 from safetensors import safe_open
 from transformers import DistributedConfig
 
 from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
-from modeling_kimi_vl.quantization_kimi_vl import WeightOnlyExperts, WeightOnlyLinear
+from modeling_kimi_vl.quantization_kimi_vl import MIN_TRANSFORMERS_VERSION, WeightOnlyExperts, WeightOnlyLinear
+
+SUPPORTED = version.parse(transformers.__version__) >= version.parse(MIN_TRANSFORMERS_VERSION)
+# The tests that load no quantized model; on older transformers every other test is skipped.
+RUN_ON_ANY_TRANSFORMERS = {
+    "test_unsupported_scheme_and_group_size_are_refused",
+    "test_older_transformers_refuses_with_the_version_it_needs",
+}
+
+
+def skip_on_older_transformers():
+    if not SUPPORTED:
+        pytest.skip(f"needs transformers>={MIN_TRANSFORMERS_VERSION}")
+
+
+@pytest.fixture(autouse=True)
+def skip_quantized_loading_on_older_transformers(request):
+    if request.node.originalname not in RUN_ON_ANY_TRANSFORMERS:
+        skip_on_older_transformers()
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TINY_GROUP_SIZE = 16  # divides the tiny model's input sizes (32, 64, 128)
@@ -29,6 +49,7 @@ NEW_TOKENS = 12
 
 
 def load_quantized(checkpoint, scheme="int8", experts_implementation="grouped_mm", **kwargs):
+    skip_on_older_transformers()  # also for the module-scoped fixtures, set up before the autouse one
     config = KimiVLWeightOnlyConfig(scheme, group_size=TINY_GROUP_SIZE)
     # grouped_mm is the default; transformers 5.24 refuses to set it explicitly on this composite model (as it does
     # for the float model), so it is only ever passed for the others.
@@ -319,3 +340,9 @@ def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
     assert output.shape[1] == inputs["input_ids"].shape[1] + 4
     with pytest.raises(SystemExit):
         app.parse_args(["--quantize", "int2"])
+
+
+@pytest.mark.skipif(SUPPORTED, reason=f"transformers>={MIN_TRANSFORMERS_VERSION} supports quantization")
+def test_older_transformers_refuses_with_the_version_it_needs(reference_checkpoint):
+    with pytest.raises(ImportError, match=rf"needs transformers>={MIN_TRANSFORMERS_VERSION} \(found"):
+        KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, quantization_config=KimiVLWeightOnlyConfig())
