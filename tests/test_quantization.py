@@ -166,8 +166,10 @@ def test_int8_greedy_tokens_equal_float_where_the_margin_allows(reference_model,
     images = [{"pixel_values": expected["pixel_values"], "image_grid_hws": expected["image_grid_hws"]}, {}, {}]
     checked_steps = 0
     for prompt, image_inputs in zip(prompts, images):
-        reference = reference_model.generate(input_ids=prompt, **image_inputs, max_new_tokens=NEW_TOKENS,
-                                             do_sample=False, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        reference = reference_model.generate(
+            input_ids=prompt, **image_inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
         float_tokens = reference.sequences[0, prompt.shape[1]:]
         top2 = torch.stack(reference.scores)[:, 0].topk(2, dim=-1).values
         margins = top2[:, 0] - top2[:, 1]
@@ -246,7 +248,9 @@ def test_static_generation_equals_plain_generate_when_quantized(reference_checkp
 
 
 @requires_cuda
-@pytest.mark.parametrize(("dtype", "experts_implementation"), [(torch.float32, "batched_mm"), (torch.bfloat16, "grouped_mm")])
+@pytest.mark.parametrize(
+    ("dtype", "experts_implementation"), [(torch.float32, "batched_mm"), (torch.bfloat16, "grouped_mm")]
+)
 def test_cuda_graphs_replay_the_quantized_steps(reference_checkpoint, expected, dtype, experts_implementation):
     """Quantized on load on the GPU; the static path's CUDA graphs give the eager steps' tokens (and plain generate's
     in float32)."""
@@ -345,4 +349,6 @@ def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
 @pytest.mark.skipif(SUPPORTED, reason=f"transformers>={MIN_TRANSFORMERS_VERSION} supports quantization")
 def test_older_transformers_refuses_with_the_version_it_needs(reference_checkpoint):
     with pytest.raises(ImportError, match=rf"needs transformers>={MIN_TRANSFORMERS_VERSION} \(found"):
-        KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, quantization_config=KimiVLWeightOnlyConfig())
+        KimiVLForConditionalGeneration.from_pretrained(
+            reference_checkpoint, quantization_config=KimiVLWeightOnlyConfig()
+        )
