@@ -21,14 +21,18 @@ Schemes (symmetric, round to nearest, one scale in the model dtype per group):
 
 Loading: transformers materialises one checkpoint tensor at a time (one layer's merged experts for the fused
 tensors), and the quantize op below turns it into `(weight, weight_scale)` before the next one is read, so peak memory
-is the quantized model plus one full-precision tensor. `save_pretrained` writes the quantized tensors (per-expert, in
-the original key layout) and the `quantization_config`; `from_pretrained` on that folder loads them as they are.
+is the quantized model plus about one layer's experts in full precision (the per-expert tensors and their merge).
+`save_pretrained` writes the quantized weights in the original per-expert key layout, the scales beside them (the
+experts' as one `[experts, rows]` tensor per projection and layer) and the `quantization_config`; `from_pretrained` on
+that folder loads them as they are.
 
 Routed experts run through transformers' `experts_implementation` dispatch, with quantized kernels under the same
 names: `batched_mm` gathers the int8 rows of the experts each token chose (decode reads only those); `grouped_mm`
 does that too while there are fewer (token, expert) pairs than experts, and otherwise dequantises all experts once
 and runs transformers' grouped matmul (prefill, where nearly every expert is hit anyway). Both are free of host
 syncs and data-dependent shapes, so the static path captures them in CUDA graphs. `eager` loops over the hit experts.
+The gather is a copy, and the int8 rows are cast to the compute dtype before the batched matmul: plain torch has no
+kernel that multiplies by int8 rows picked with a device-side index, which is what a fused kernel would add.
 """
 
 from __future__ import annotations
