@@ -253,7 +253,9 @@ def random_int8_model(size: str, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-def gpu_section(args) -> dict:
+def gpu_section(args, save) -> dict:
+    """bf16 (float32 on CPU) then int8; `save(results)` after each, so a run stopped by its time limit keeps what it
+    measured."""
     device = args.device
     results = {}
     baseline = "bf16" if device == "cuda" else "float32"  # float32: the CPU check of this logic
@@ -280,6 +282,7 @@ def gpu_section(args) -> dict:
             rates[str(batch_size)] = batch_size / step
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         results[label] = {"weight_bytes": weights, "static_decode_tokens_per_s": rates, "peak_memory_bytes": peak}
+        save(results)
         del model, run
     results[f"int8_decode_speed_vs_{baseline}"] = {
         batch: rate / results[baseline]["static_decode_tokens_per_s"][batch]
@@ -312,10 +315,10 @@ def main() -> None:
     if args.gpu:
         if args.device == "cuda" and not torch.cuda.is_available():
             parser.error("--gpu needs a CUDA device; --device cpu --size small tries the logic on CPU")
-        result = gpu_section(args)
         name = f"bench_quantization_{args.device}_{args.size}" + ("_gpu_preset" if args.device == "cpu" else "")
         settings = {"size": args.size, "device": args.device, "new_tokens": args.new_tokens,
                     "prompt_tokens": args.prompt_tokens, "repeats": args.repeats}  # fmt: skip
+        result = gpu_section(args, save=lambda partial: write_result(name, {"settings": settings, **partial}))
         print(json.dumps(result, indent=2))
         print(write_result(name, {"settings": settings, **result}))
         return
