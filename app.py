@@ -32,7 +32,7 @@ from PIL import Image, ImageOps
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from image_processing import SANITIZING_SUPPORTED, KimiVLProcessor, split_thinking
-from modeling_kimi_vl import KimiVLForConditionalGeneration
+from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
 from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl, write_tiny_checkpoint
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
@@ -429,11 +429,18 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str) -> KimiVLForConditionalGeneration:
-    """The model in `path`. A LoRA adapter folder loads its base model (named in the adapter's config) with the
-    adapter merged in, so it generates exactly as a merged checkpoint would, at the same speed."""
+def load_model(path: Path, dtype: torch.dtype, device: str, quantize: str | None = None) -> KimiVLForConditionalGeneration:
+    """The model in `path`, its language model quantized as the weights load when `quantize` names a scheme
+    (modeling_kimi_vl/quantization_kimi_vl.py). A LoRA adapter folder loads its base model (named in the adapter's
+    config) with the adapter merged in, so it generates exactly as a merged checkpoint would, at the same speed."""
     if not (path / ADAPTER_CONFIG).is_file():
-        return KimiVLForConditionalGeneration.from_pretrained(path, dtype=dtype, device_map=device)
+        quantization = {"quantization_config": KimiVLWeightOnlyConfig(quantize)} if quantize else {}
+        return KimiVLForConditionalGeneration.from_pretrained(path, dtype=dtype, device_map=device, **quantization)
+    if quantize:
+        raise SystemExit(
+            f"{path} is a LoRA adapter, which merges into full-precision weights only; quantize a merged model "
+            "instead (examples/finetune.py --merge writes one), or leave out --quantize."
+        )
     try:
         from peft import PeftConfig, PeftModel
     except ImportError as error:
@@ -483,7 +490,13 @@ class PreparedImage:
 
 class ChatEngine:
     def __init__(
-        self, checkpoint: Checkpoint, device: str, dtype: torch.dtype, limits: InputLimits, ignore_eos: bool = False
+        self,
+        checkpoint: Checkpoint,
+        device: str,
+        dtype: torch.dtype,
+        limits: InputLimits,
+        ignore_eos: bool = False,
+        quantize: str | None = None,
     ):
         if not SANITIZING_SUPPORTED:  # every prompt is built with it: the demo would fail on the first question
             raise RuntimeError(
@@ -497,8 +510,8 @@ class ChatEngine:
         self.ignore_eos = ignore_eos
         log(f"loading the processor from {checkpoint.path}")
         self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
-        log(f"loading {checkpoint.name} onto {device} in {dtype}")
-        self.model = load_model(checkpoint.path, dtype, device)
+        log(f"loading {checkpoint.name} onto {device} in {dtype}" + (f", {quantize} weights" if quantize else ""))
+        self.model = load_model(checkpoint.path, dtype, device, quantize)
         self.model.eval()
         self.context_length = self.model.config.text_config.max_position_embeddings
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -827,6 +840,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quantize", choices=KimiVLWeightOnlyConfig.SCHEMES,
+                        help="load the language model's weights as int8 (per channel; Kimi-VL-A3B fits a 24 GB GPU) or "
+                             "int4 (groups of 128 inputs)")  # fmt: skip
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
     parser.add_argument("--max-conversation-image-mb", type=float, default=512.0,
@@ -853,7 +869,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     checkpoint = resolve_checkpoint(args.model, args.cache_dir)
     limits = InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
-    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos)
+    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos, quantize=args.quantize)
     log(f"ready: {checkpoint.name} ({checkpoint.kind}), context {engine.context_length} tokens")
     demo = build_demo(engine)
     demo.queue(max_size=args.queue_size)
