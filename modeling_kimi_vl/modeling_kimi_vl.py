@@ -341,6 +341,12 @@ class KimiVLPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides this by looking for `@use_experts_implementation` in the model class's own source file;
+        # the routed experts here are DeepSeek-V3's, which carry it, in the nested language model.
+        return True
+
+    @classmethod
     def maybe_distribute_model(cls, model, distributed_config, *mesh_args):
         # from_pretrained calls this once, after building the model and before sharding or reading any weight.
         if distributed_config is not None:

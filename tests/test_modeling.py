@@ -577,3 +577,18 @@ def test_expanded_generation_validates_the_grids(reference_model):
             input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=torch.tensor([[4, 4]]),
             max_new_tokens=2, do_sample=True, num_return_sequences=2, pad_token_id=0,
         )  # fmt: skip
+
+
+def test_experts_implementation_can_be_chosen_at_load_and_after(reference_checkpoint, expected):
+    """transformers lets a model choose `grouped_mm` only when it finds the experts decorator in the model class's own
+    source file; Kimi-VL's experts are DeepSeek-V3's, nested. Choosing at load and afterwards must both reach them."""
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="grouped_mm")
+    assert model.language_model.config._experts_implementation == "grouped_mm"
+    with torch.no_grad():
+        grouped = model(input_ids=expected["txt_input_ids"]).logits
+        model.set_experts_implementation("eager")
+        assert model.language_model.config._experts_implementation == "eager"
+        eager = model(input_ids=expected["txt_input_ids"]).logits
+        model.set_experts_implementation("grouped_mm")
+        assert model.language_model.config._experts_implementation == "grouped_mm"
+    torch.testing.assert_close(grouped, eager, rtol=1e-5, atol=1e-5)
