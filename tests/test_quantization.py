@@ -336,7 +336,8 @@ def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
 
     args = app.parse_args(["--model", "tiny", "--quantize", "int8", "--cache-dir", str(tmp_path)])
     checkpoint = app.resolve_checkpoint(args.model, args.cache_dir)
-    engine = app.ChatEngine(checkpoint, "cpu", torch.float32, app.InputLimits(8, 20.0), quantize=args.quantize)
+    limits = app.InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
+    engine = app.ChatEngine(checkpoint, "cpu", torch.float32, limits, quantize=args.quantize)
     assert isinstance(engine.model.language_model.model.layers[-1].mlp.experts, WeightOnlyExperts)
     assert engine.model.language_model.lm_head.weight.dtype == torch.int8
     inputs = engine.processor(text="Hello there", return_tensors="pt")
