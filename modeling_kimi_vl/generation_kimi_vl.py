@@ -56,6 +56,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
+from .parallel_kimi_vl import local_part
+
 # Experts implementations whose forward has no data-dependent shapes or host reads (the "eager" loop has both).
 CAPTURABLE_EXPERTS_IMPLEMENTATIONS = ("batched_mm", "grouped_mm")
 # Attention implementations that take the explicit 4-D mask the static layout needs.
@@ -70,11 +72,6 @@ MAX_PREFILL_STEPS = 8
 # on every call until 5.40); pass it under the name the installed version takes.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
 GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
-else:  # a torch build without torch.distributed has no tensor-parallel parameters
-    DTensor = ()
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -328,8 +325,7 @@ def weights_key(model) -> tuple:
     into the same tensors do not (the graphs read the new values)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     # A tensor-parallel parameter is a DTensor, whose memory is its local shard.
-    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors)
-    return tuple((tensor.device, tensor.dtype, tensor.data_ptr()) for tensor in local)
+    return tuple((tensor.device, tensor.dtype, tensor.data_ptr()) for tensor in map(local_part, tensors))
 
 
 class StaticGenerationState:
