@@ -132,7 +132,10 @@ def test_only_the_mla_latent_is_cached_sized_from_the_request(model, expected):
 
 def step_identities(workspace) -> dict:
     """The step objects of a workspace and what they captured (graph and output; None when eager)."""
-    steps = {"decode": workspace.decode_step, **{f"prefill {n}": step for n, step in workspace.prefill_steps.items()}}
+    steps = {
+        **{f"decode {n}": step for n, step in workspace.decode_steps.items()},
+        **{f"prefill {n}": step for n, step in workspace.prefill_steps.items()},
+    }
     return {name: (step, step.graph, step.output) for name, step in steps.items()}
 
 
@@ -148,7 +151,7 @@ def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
     workspaces = dict(model._static_generation_state().workspaces)
     assert list(workspaces) == [(1, 256)]
     steps = step_identities(workspaces[1, 256])
-    assert list(steps) == ["decode", "prefill 64"]
+    assert list(steps) == ["decode 256", "prefill 64"]
     first = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     second = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(first, second)
@@ -524,7 +527,7 @@ def test_the_host_read_guard_catches_each_form(monkeypatch, host_read):
 
 def steps_of(model):
     (workspace,) = model._static_generation_state().workspaces.values()
-    return [*workspace.prefill_steps.values(), workspace.decode_step]
+    return [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]
 
 
 def test_steps_never_read_device_tensors_back_to_the_host(model, expected, monkeypatch):
@@ -577,7 +580,7 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
     assert workspace.num_graphs == 2  # one prefill bucket, one decode step
     replayed = model.generate(**request, **settings, cuda_graphs=True)
     assert workspace.num_graphs == 2, "the second call must replay, not capture again"
-    steps = [*workspace.prefill_steps.values(), workspace.decode_step]
+    steps = [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]
     outputs = [step.output for step in steps]
     with synchronizing_is_an_error():
         for step in steps:
