@@ -45,10 +45,10 @@ MOONVIT_ROPE_THETA = 10000.0
 # The original precomputes a 512 x 512 rotary table: patch rows and columns must stay below this.
 MOONVIT_MAX_GRID_SIDE = 512
 # Language-model queries of at most this many tokens attend over the MLA latent directly (the absorbed form); longer
-# ones expand the latent through kv_b_proj. Measured crossover on a 2-core CPU with Kimi-VL-A3B's attention sizes (fp32,
-# one layer, 4K cached tokens; `python benchmarks/bench_long_context.py --crossover`): absorbed is faster up to ~128
-# query tokens and slower from ~256. Decode (1 token) is 20-70x faster absorbed at 1K-16K context.
-ABSORBED_MAX_QUERY_LENGTH = 128
+# ones expand the latent through kv_b_proj. Counting FLOPs at Kimi-VL-A3B's sizes, the two cost the same at ~150 query
+# tokens; the absorbed form also materialises its scores, so the limit sits below that. Measured on a 2-core CPU (one
+# layer, 4K cached tokens, fp32: `python benchmarks/bench_long_context.py --crossover`): see the README.
+ABSORBED_MAX_QUERY_LENGTH = 64
 
 
 # ----------------------------------------------------------------------------------------------------------------------
