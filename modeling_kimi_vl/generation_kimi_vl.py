@@ -27,8 +27,8 @@ Layout of one request inside its workspace (batch bucket B, cache capacity C slo
     decode:                          | generated token i is written at slot T+i (over the filler)
 
 A prefill step of bucket Lb reads (and masks) only the cache slots [0, Lb): nothing later can be visible to a prompt
-query. A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 512, 1024, ...,
-capped at C), so its cost follows the request's length, not the capacity: a large fixed `max_cache_len` costs memory,
+query. A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 384, 512, 768,
+1024, ..., capped at C), so its cost follows the request's length, not the capacity: a large fixed `max_cache_len` costs memory,
 not speed. Each read bucket has its own step (a graph on CUDA), chosen on the host from the number of tokens fed so
 far, never from device values. With the absorbed MLA attention (modeling_kimi_vl.KimiVLMLAAttention) a decode step
 reads each cached slot's latent once for all heads instead of expanding it through `kv_b_proj`.
@@ -73,12 +73,13 @@ CACHE_SLOT_GRANULE = 256
 MAX_WORKSPACES = 8
 # Prefill steps (one per prompt bucket, each a CUDA graph with its own output) kept per workspace.
 MAX_PREFILL_STEPS = 8
-# The smallest number of cache slots a decode step reads; larger read buckets double from here up to the capacity.
+# The smallest number of cache slots a decode step reads; larger read buckets grow geometrically from here up to the
+# capacity (see decode_read_bucket).
 MIN_DECODE_READ_SLOTS = 256
 # Decode steps (one per read bucket) kept per workspace. A long request walks the read buckets in ascending order, so
-# the bound holds all of them for any capacity up to 256 * 2**11 = 512K slots (Kimi-VL's context is 128K): evicting one
-# would make every request capture it again.
-MAX_DECODE_STEPS = 12
+# the bound holds all of them for any capacity up to 256 * 2**11 = 512K slots (23 buckets; Kimi-VL's context is 128K,
+# 19 buckets): evicting one would make every request capture it again.
+MAX_DECODE_STEPS = 24
 # transformers 5.24 renamed the language model's cache argument from `past_key_values` to `cache` (the old name warns
 # on every call until 5.40); pass it under the name the installed version takes.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
@@ -93,9 +94,12 @@ def batch_bucket(batch_size: int) -> int:
 
 
 def decode_read_bucket(filled_slots: int, num_slots: int) -> int:
-    """Slots a decode step reads when `filled_slots` hold tokens: the next power of two from MIN_DECODE_READ_SLOTS,
-    capped at the capacity. At most 2x the filled slots (beyond the first bucket), and few distinct steps."""
-    return min(num_slots, max(MIN_DECODE_READ_SLOTS, 1 << (filled_slots - 1).bit_length()))
+    """Slots a decode step reads when `filled_slots` hold tokens: the next of 2^k and 1.5 * 2^k (256, 384, 512, 768,
+    1024, ...) from MIN_DECODE_READ_SLOTS, capped at the capacity. Beyond the first bucket it reads at most 1.5x the
+    filled slots (a plain power of two would read 2x just past every power of two), with two steps per doubling."""
+    power_of_two = 1 << (filled_slots - 1).bit_length()
+    bucket = power_of_two * 3 // 4 if filled_slots <= power_of_two * 3 // 4 else power_of_two
+    return min(num_slots, max(MIN_DECODE_READ_SLOTS, bucket))
 
 
 def prompt_bucket(length: int) -> int:

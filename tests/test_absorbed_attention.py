@@ -199,16 +199,19 @@ def test_training_with_gradient_checkpointing_gets_the_gradients_of_the_expanded
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_read_buckets_double_from_the_minimum_and_stop_at_the_capacity():
-    assert [decode_read_bucket(filled, 4096) for filled in (1, 256, 257, 512, 513, 3000, 4096)] == [
-        256, 256, 512, 512, 1024, 4096, 4096,
+def test_read_buckets_grow_geometrically_from_the_minimum_and_stop_at_the_capacity():
+    filled = (1, 256, 257, 384, 385, 512, 513, 768, 769, 3000, 3072, 3073, 4096)
+    assert [decode_read_bucket(n, 4096) for n in filled] == [
+        256, 256, 384, 384, 512, 512, 768, 768, 1024, 3072, 3072, 4096, 4096,
     ]  # fmt: skip
-    assert decode_read_bucket(90, 100) == 100 and decode_read_bucket(300, 1000) == 512
+    assert all(decode_read_bucket(n, 1 << 20) <= 1.5 * n for n in range(257, 70000))
+    assert decode_read_bucket(90, 100) == 100 and decode_read_bucket(300, 1000) == 384
 
 
-def test_decode_read_bucket_grows_across_two_boundaries_with_the_same_tokens(model, expected, monkeypatch):
+def test_decode_read_bucket_grows_across_boundaries_with_the_same_tokens(model, expected, monkeypatch):
     """From a 57-token prompt, 80 new tokens fill slots 58..137: with read buckets from 32, the decode steps read 64,
-    then 128, then 256 slots (the capacity), each bucket with its own step, and the tokens equal plain generate()."""
+    96, 128, then 192 slots (four boundaries crossed, the capacity being 256), each bucket with its own step, and the
+    tokens equal plain generate()."""
     monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     request = fixture_request(expected)
     prompt_length, new_tokens = request["input_ids"].shape[1], 80
@@ -231,15 +234,15 @@ def test_decode_read_bucket_grows_across_two_boundaries_with_the_same_tokens(mod
     decode_reads = reads[1:]
     assert len(decode_reads) == new_tokens - 1
     filled = [prompt_length + 1 + step for step in range(new_tokens - 1)]
-    assert decode_reads == [64 if n <= 64 else 128 if n <= 128 else 256 for n in filled]
-    assert list(workspace.decode_steps) == [64, 128, 256]
+    assert decode_reads == [next(bucket for bucket in (64, 96, 128, 192) if n <= bucket) for n in filled]
+    assert list(workspace.decode_steps) == [64, 96, 128, 192]
 
 
 def test_warm_up_runs_the_decode_step_of_every_read_bucket(model, monkeypatch):
     monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model.warm_up_static_generation(batch_size=2, prompt_length=20, max_cache_len=200)
     (workspace,) = model._static_generation_state().workspaces.values()
-    assert list(workspace.decode_steps) == [32, 64, 128, 200]
+    assert list(workspace.decode_steps) == [32, 48, 64, 96, 128, 192, 200]
     # The warm-up's writes are never seen: a request afterwards gives what plain generate() gives.
     input_ids = torch.arange(40, 80).view(2, 20)
     static = model.generate(input_ids, max_new_tokens=30, do_sample=False, cache_implementation="static",
@@ -253,18 +256,18 @@ def test_decode_steps_are_bounded_least_recently_used_first(model, expected, mon
     request = fixture_request(expected)
     output = model.generate(**request, max_new_tokens=80, do_sample=False, cache_implementation="static")
     (workspace,) = model._static_generation_state().workspaces.values()
-    assert list(workspace.decode_steps) == [128, 256]
+    assert list(workspace.decode_steps) == [128, 192]
     assert torch.equal(output, model.generate(**request, max_new_tokens=80, do_sample=False))
 
 
 def test_decode_steps_of_every_read_bucket_never_read_the_host(model, expected, monkeypatch):
-    """The host-read guard of test_generation_fast.py over every decode step (three read buckets) and the prefill,
+    """The host-read guard of test_generation_fast.py over every decode step (four read buckets) and the prefill,
     with the absorbed attention inside them."""
     monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model.generate(**fixture_request(expected), max_new_tokens=80, do_sample=False, cache_implementation="static")
     (workspace,) = model._static_generation_state().workspaces.values()
     steps = [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]
-    assert len(workspace.decode_steps) == 3
+    assert len(workspace.decode_steps) == 4
     with counting_expansions(model) as expansions, monkeypatch.context() as patched, torch.no_grad():
         forbid_host_reads(patched)
         for step in steps:  # as generate() runs them: without gradients

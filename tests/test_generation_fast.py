@@ -598,17 +598,17 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_of_every_read_bucket_equal_eager_steps(reference_checkpoint, expected, dtype, monkeypatch):
-    """80 new tokens from a 57-token prompt with read buckets from 32: decode graphs for 64, 128 and 256 slots, each
-    captured once and replayed without a sync, giving the eager steps' tokens (and plain generate()'s in fp32)."""
+    """80 new tokens from a 57-token prompt with read buckets from 32: decode graphs for 64, 96, 128 and 192 slots,
+    each captured once and replayed without a sync, giving the eager steps' tokens (and plain generate()'s in fp32)."""
     monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, dtype=dtype).to("cuda").eval()
     request = fixture_request(expected, "cuda")
     settings = dict(max_new_tokens=80, do_sample=False, cache_implementation="static")
     graphs = model.generate(**request, **settings, cuda_graphs=True)
     (workspace,) = model._static_generation_state().workspaces.values()
-    assert list(workspace.decode_steps) == [64, 128, 256] and workspace.num_graphs == 4
+    assert list(workspace.decode_steps) == [64, 96, 128, 192] and workspace.num_graphs == 5
     assert torch.equal(model.generate(**request, **settings, cuda_graphs=True), graphs)
-    assert workspace.num_graphs == 4, "the second call must replay, not capture again"
+    assert workspace.num_graphs == 5, "the second call must replay, not capture again"
     with synchronizing_is_an_error():
         for step in workspace.decode_steps.values():
             step()
