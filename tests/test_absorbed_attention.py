@@ -119,9 +119,22 @@ def test_absorbed_keeps_the_yarn_softmax_scale_and_the_query_lora(reference_chec
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_absorbed_in_half_precision_stays_close_to_expanded(reference_checkpoint, dtype, monkeypatch):
+def test_absorbed_in_half_precision_is_as_accurate_as_expanded(reference_checkpoint, dtype, monkeypatch):
+    """Against float32 logits, the absorbed form's rounding error is no worse than the expanded form's (each measured
+    ~1e-2 in bf16, ~2e-3 in fp16 here)."""
+    reference = cached_forward(KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint).eval(),
+                               *left_padded_text_batch(), split=24)  # fmt: skip
     model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, dtype=dtype).eval()
-    assert_forms_agree(model, monkeypatch, rtol=3e-2)
+    errors = {}
+    for form in ("absorbed", "expanded"):
+        use_absorbed(monkeypatch, form == "absorbed")
+        logits = cached_forward(model, *left_padded_text_batch(), split=24)
+        valid = left_padded_text_batch()[1].bool()
+        pieces = (valid[:, :24], valid[:, 24:-1], valid[:, -1:])
+        errors[form] = [relative_error(half[keep].float(), full[keep]) for half, full, keep in
+                        zip(logits, reference, pieces)]  # fmt: skip
+    for absorbed_error, expanded_error in zip(errors["absorbed"], errors["expanded"]):
+        assert absorbed_error < 1.5 * expanded_error
 
 
 def test_greedy_tokens_are_those_of_the_expanded_form_and_the_fixture(model, expected, monkeypatch):
