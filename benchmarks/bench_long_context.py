@@ -39,8 +39,8 @@ expanded vs absorbed: the measurement behind `ABSORBED_MAX_QUERY_LENGTH` in mode
     python benchmarks/bench_long_context.py              # results/bench_long_context_cpu.json
     python benchmarks/bench_long_context.py --crossover  # results/bench_long_context_crossover_cpu.json
     python benchmarks/bench_long_context.py --gpu        # results/bench_long_context_cuda.json
-    python benchmarks/bench_long_context.py --gpu --device cpu --size small --contexts 256,1024 --fixed-slots 4096
-                                                         # the --gpu logic, tried on CPU with bench_generate's small config
+    python benchmarks/bench_long_context.py --gpu --device cpu --size small --dtype float32 --contexts 256,1024 \
+        --fixed-slots 4096                               # the --gpu logic on CPU, with bench_generate's small model
 """
 
 import argparse

@@ -14,10 +14,9 @@ A step is one language-model forward over persistent buffers of fixed shape (a `
 into a CUDA graph the first time it runs and replayed afterwards; elsewhere, or with `cuda_graphs=False`, the very same
 function runs eagerly. All graphs of a model share one memory pool. Graphs are not kept forever: workspaces, and the
 prefill and decode steps inside a workspace, are evicted least recently used first (MAX_WORKSPACES, MAX_PREFILL_STEPS,
-MAX_DECODE_STEPS), and
-everything is dropped when graphs are switched on or off or when any parameter or buffer of the model is replaced by
-another tensor (`.to()`, `load_state_dict(assign=True)`, quantizing a layer); an evicted step is captured again when
-it is next needed.
+MAX_DECODE_STEPS), and everything is dropped when graphs are switched on or off or when any parameter or buffer of the
+model is replaced by another tensor (`.to()`, `load_state_dict(assign=True)`, quantizing a layer); an evicted step is
+captured again when it is next needed.
 
 Layout of one request inside its workspace (batch bucket B, cache capacity C slots):
 
@@ -28,10 +27,10 @@ Layout of one request inside its workspace (batch bucket B, cache capacity C slo
 
 A prefill step of bucket Lb reads (and masks) only the cache slots [0, Lb): nothing later can be visible to a prompt
 query. A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 384, 512, 768,
-1024, ..., capped at C), so its cost follows the request's length, not the capacity: a large fixed `max_cache_len` costs memory,
-not speed. Each read bucket has its own step (a graph on CUDA), chosen on the host from the number of tokens fed so
-far, never from device values. With the absorbed MLA attention (modeling_kimi_vl.KimiVLMLAAttention) a decode step
-reads each cached slot's latent once for all heads instead of expanding it through `kv_b_proj`.
+1024, ..., capped at C), so its cost follows the request's length, not the capacity: a large fixed `max_cache_len`
+costs memory, not speed. Each read bucket has its own step (a graph on CUDA), chosen on the host from the number of
+tokens fed so far, never from device values. With the absorbed MLA attention (modeling_kimi_vl.KimiVLMLAAttention) a
+decode step reads each cached slot's latent once for all heads instead of expanding it through `kv_b_proj`.
 
 Rows past the real batch are dummy prompts. The prompt keeps its own left padding, so every real token sits in the
 same cache slot and has the same rotary position as in plain `generate()`; that is what keeps greedy outputs
@@ -77,8 +76,8 @@ MAX_PREFILL_STEPS = 8
 # capacity (see decode_read_bucket).
 MIN_DECODE_READ_SLOTS = 256
 # Decode steps (one per read bucket) kept per workspace. A long request walks the read buckets in ascending order, so
-# the bound holds all of them for any capacity up to 256 * 2**11 = 512K slots (23 buckets; Kimi-VL's context is 128K,
-# 19 buckets): evicting one would make every request capture it again.
+# the bound holds all of them for any capacity up to 256 * 2**11 = 512K slots (23 buckets; Kimi-VL's 128K context
+# takes 19): evicting one would make every request capture it again.
 MAX_DECODE_STEPS = 24
 # transformers 5.24 renamed the language model's cache argument from `past_key_values` to `cache` (the old name warns
 # on every call until 5.40); pass it under the name the installed version takes.

@@ -427,7 +427,9 @@ class KimiVLMLAAttention(DeepseekV3Attention):
         # transformers >= 5.24 passes the cache as `cache`, earlier releases as `past_key_values`.
         cache = kwargs.pop(CACHE_ARGUMENT, None)
         if not self.uses_absorbed_form(hidden_states):
-            return super().forward(hidden_states, position_embeddings, attention_mask, **{CACHE_ARGUMENT: cache}, **kwargs)
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, **{CACHE_ARGUMENT: cache}, **kwargs
+            )
 
         # The projections, rotary embedding and cache update are the parent's, step for step (it has no seam to reuse
         # them without also expanding the latent): the cache receives exactly what the expanded form stores.

@@ -109,8 +109,9 @@ def random_text_model(reference_checkpoint, **text_overrides):
 def test_absorbed_keeps_the_yarn_softmax_scale_and_the_query_lora(reference_checkpoint, monkeypatch):
     """Yarn rope scaling multiplies the softmax scale by mscale^2, and q_lora_rank routes the query through
     q_a_proj/q_b_proj: both must give what the expanded form gives."""
-    rope_parameters = {"rope_type": "yarn", "rope_theta": 800000.0, "factor": 8.0, "original_max_position_embeddings": 64,
-                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    rope_parameters = {"rope_type": "yarn", "rope_theta": 800000.0, "factor": 8.0,
+                       "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                       "mscale_all_dim": 1.0}  # fmt: skip
     model = random_text_model(reference_checkpoint, rope_parameters=rope_parameters, q_lora_rank=12)
     attention = model.language_model.model.layers[0].self_attn
     assert attention.scaling != pytest.approx(attention.qk_head_dim**-0.5), "yarn must change the scale here"
@@ -243,7 +244,7 @@ def test_decode_read_bucket_grows_across_boundaries_with_the_same_tokens(model, 
     assert torch.equal(static, plain)
     (workspace,) = model._static_generation_state().workspaces.values()
     assert workspace.num_slots == 256
-    # Prefill reads its prompt bucket (64); decode step i (after new token i + 1) has prompt_length + i + 1 slots filled.
+    # Prefill reads its prompt bucket (64); decode step i (after new token i + 1) has prompt_length + i + 1 filled.
     decode_reads = reads[1:]
     assert len(decode_reads) == new_tokens - 1
     filled = [prompt_length + 1 + step for step in range(new_tokens - 1)]
