@@ -19,9 +19,9 @@ token; eager on CPU, a CUDA graph on GPU), then argmax, with the workspace set u
 the context by one token per step, as generation does.
 
 Presets:
-  CPU (default): a model with Kimi-VL-A3B's attention sizes (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, nope 128,
-      v 128), 2 text layers (one dense, one MoE with 8 experts, top 2), fp32; contexts 64, 1K, 4K, 16K; batch 1;
-      static_fixed with 32768 slots. Each variant and context runs in its own child process, so the peak resident
+  CPU (default): bench_generate.py's small model with Kimi-VL-A3B's attention sizes (hidden 2048, 16 heads,
+      kv_lora_rank 512, rope 64, nope 128, v 128), 2 text layers (one dense, one MoE with 8 experts, top 2), fp32;
+      contexts 64, 1K, 4K, 16K; batch 1; static_fixed with 32768 slots. Each variant and context runs in its own child process, so the peak resident
       memory above the loaded model (ru_maxrss) is that run's own.
   --gpu: the full Kimi-VL-A3B config with random bf16 weights on one CUDA device; contexts 1K, 8K, 32K; batches 1
       and 8; static_fixed with 65536 slots; one process (peak memory from the CUDA allocator), results written after
@@ -56,8 +56,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, synchronize  # noqa: E402
 from bench_generate import build_model as build_generate_model  # noqa: E402
-from bench_generate import copy_bandwidth, decode_weight_bytes, synchronize  # noqa: E402
 from common import write_result  # noqa: E402
 
 VARIANTS = ("expanded_plain", "absorbed_plain", "static_auto", "static_fixed")
@@ -71,17 +71,19 @@ PRESETS = {
 
 
 def build_model(size: str, device: str, dtype: torch.dtype):
-    """"a3b_attention": Kimi-VL-A3B's attention sizes with 2 text layers, 8 experts top 2, a small vocabulary and a
-    1-block vision tower (unused here); "full" / "small": bench_generate.py's models. Random weights."""
-    from modeling_kimi_vl import KimiVLForConditionalGeneration, kimi_vl_a3b_config
+    """"a3b_attention": bench_generate.py's small model with Kimi-VL-A3B's attention sizes, 2 text layers and 8
+    experts top 2 (the model of the issue's measurements); "full" / "small": bench_generate.py's models. Random
+    weights."""
+    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
 
     if size != "a3b_attention":
         return build_generate_model(size, device, dtype)
-    config = kimi_vl_a3b_config(attn_implementation="sdpa")
-    config.vision_config.num_hidden_layers = 1
-    text = config.text_config
-    text.num_hidden_layers, text.n_routed_experts, text.num_experts_per_tok = 2, 8, 2
-    text.vocab_size, text.intermediate_size = 8192, 5632
+    text_config = dict(
+        SMALL_CONFIG["text_config"], hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_hidden_layers=2,
+        n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=65536,
+    )  # fmt: skip
+    config = KimiVLConfig(**dict(SMALL_CONFIG, text_config=text_config), attn_implementation="sdpa")
     torch.manual_seed(0)
     return KimiVLForConditionalGeneration(config).to(device, dtype).eval()
 
