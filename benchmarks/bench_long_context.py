@@ -21,8 +21,10 @@ the context by one token per step, as generation does.
 Presets:
   CPU (default): bench_generate.py's small model with Kimi-VL-A3B's attention sizes (hidden 2048, 16 heads,
       kv_lora_rank 512, rope 64, nope 128, v 128), 2 text layers (one dense, one MoE with 8 experts, top 2), fp32;
-      contexts 64, 1K, 4K, 16K; batch 1; static_fixed with 32768 slots. Each variant and context runs in its own child process, so the peak resident
-      memory above the loaded model (ru_maxrss) is that run's own.
+      contexts 64, 1K, 4K, 16K; batch 1; static_fixed with 32768 slots. At each context the four variants' steps are
+      timed in turn (one step of each per round), so load from other work on a shared machine hits them alike; the
+      peak resident memory above the loaded model comes from a fresh process per variant and context (the resident
+      high-water mark, reset once the model is built).
   --gpu: the full Kimi-VL-A3B config with random bf16 weights on one CUDA device; contexts 1K, 8K, 32K; batches 1
       and 8; static_fixed with 65536 slots; one process (peak memory from the CUDA allocator), results written after
       every measurement, and measurements that would start after --budget-s seconds are skipped (and named in the
@@ -46,7 +48,6 @@ expanded vs absorbed: the measurement behind `ABSORBED_MAX_QUERY_LENGTH` in mode
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -158,53 +159,84 @@ def capacity(variant: str, context: int, new_tokens: int, fixed_slots: int) -> i
     return None
 
 
-@torch.no_grad()
-def time_variant(model, variant: str, context: int, batch_size: int, args) -> dict:
-    """ms per decode step (median) of one variant at one context and batch size, and peak memory above the model."""
+def prepare_step(model, variant: str, context: int, batch_size: int, args):
+    """A callable that runs one decode step of `variant` (with the attention form it needs), and the static capacity
+    it uses (None for plain)."""
     from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
 
+    latents = random_latents(model, batch_size, context)
+    slots = capacity(variant, context, args.warm_up + args.steps, args.fixed_slots)
+    step = plain_stepper(model, latents, context) if slots is None else static_stepper(model, latents, context, slots)
+    absorb_limit = 0 if variant == "expanded_plain" else ABSORBED_MAX_QUERY_LENGTH
+
+    @torch.no_grad()
+    def run():
+        KimiVLMLAAttention.absorb_max_query_length = absorb_limit
+        try:
+            step()
+        finally:
+            KimiVLMLAAttention.absorb_max_query_length = ABSORBED_MAX_QUERY_LENGTH
+
+    return run, slots
+
+
+def timed_steps(runs: dict, args, device: str) -> dict[str, list[float]]:
+    """Seconds per step of each callable in `runs`, taken in turn (one step of each, then the next round), so that load
+    changes on a shared machine hit every variant alike. The first --warm-up rounds are not kept."""
+    timings = {name: [] for name in runs}
+    for round_index in range(args.warm_up + args.steps):
+        for name, run in runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            if round_index >= args.warm_up:
+                timings[name].append(time.perf_counter() - start)
+    return timings
+
+
+def timing_record(seconds: list[float]) -> dict:
+    return {"ms_per_step": 1000 * statistics.median(seconds),
+            "ms_per_step_all": [round(1000 * value, 3) for value in seconds]}  # fmt: skip
+
+
+def resident_kib(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in KiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def time_variant(model, variant: str, context: int, batch_size: int, args) -> dict:
+    """One variant alone at one context and batch size: ms per decode step (median) and peak memory above the model:
+    the CUDA allocator's peak, or on CPU the peak resident set after resetting the process's high-water mark (Linux's
+    /proc/self/clear_refs), so that the model's own construction does not count."""
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    KimiVLMLAAttention.absorb_max_query_length = 0 if variant == "expanded_plain" else ABSORBED_MAX_QUERY_LENGTH
-    new_tokens = args.warm_up + args.steps
-    latents = random_latents(model, batch_size, context)
-    slots = capacity(variant, context, new_tokens, args.fixed_slots)
-    step = plain_stepper(model, latents, context) if slots is None else static_stepper(model, latents, context, slots)
-    del latents
-    timings = []
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+        baseline = 1024 * resident_kib("VmRSS")
+    run, slots = prepare_step(model, variant, context, batch_size, args)
     try:
-        for index in range(new_tokens):
-            synchronize(model.device.type)
-            start = time.perf_counter()
-            step()
-            synchronize(model.device.type)
-            if index >= args.warm_up:
-                timings.append(time.perf_counter() - start)
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - baseline
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        record = timing_record(timed_steps({variant: run}, args, model.device.type)[variant])
+        peak = torch.cuda.max_memory_allocated() if cuda else 1024 * resident_kib("VmHWM")
     finally:
-        KimiVLMLAAttention.absorb_max_query_length = ABSORBED_MAX_QUERY_LENGTH
-        del step
+        del run
         model.clear_static_generation()
-    return {"ms_per_step": 1000 * statistics.median(timings),
-            "ms_per_step_all": [round(1000 * seconds, 3) for seconds in timings],
-            "peak_memory_above_model_bytes": max(0, peak), "read_slots_capacity": slots}  # fmt: skip
+    return {**record, "peak_memory_above_model_bytes": max(0, peak - baseline), "read_slots_capacity": slots}
 
 
-def measure_in_child(args, variant: str, context: int, batch_size: int) -> dict:
-    """CPU: one measurement in a fresh process, so that ru_maxrss is its own peak."""
+def peak_memory_in_child(args, variant: str, context: int, batch_size: int) -> int:
+    """CPU: the peak resident memory above the model of a fresh process running `variant` for a few steps."""
     command = [sys.executable, __file__, "--child", variant, "--contexts", str(context), "--batches", str(batch_size),
-               "--steps", str(args.steps), "--warm-up", str(args.warm_up), "--fixed-slots", str(args.fixed_slots),
-               "--size", args.size, "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+               "--steps", "2", "--warm-up", "1", "--fixed-slots", str(args.fixed_slots), "--size", args.size,
+               "--device", args.device, "--dtype", args.dtype]  # fmt: skip
     output = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, timeout=args.child_timeout)
-    return json.loads(output.stdout.strip().splitlines()[-1])
+    return json.loads(output.stdout.strip().splitlines()[-1])["peak_memory_above_model_bytes"]
 
 
 def slope_ms_per_1k(contexts, milliseconds) -> float | None:
@@ -254,18 +286,16 @@ def long_context(args) -> None:
     started = time.perf_counter()
     notes = {"load_average_before": list(os.getloadavg())}
     results = {variant: {} for variant in args.variants}
-    model_facts = {}
-    in_process = args.gpu  # the GPU preset's logic, also when tried on CPU
-    model = build_model(args.size, args.device, getattr(torch, args.dtype)) if in_process else None
-    if model is not None:
-        text = model.config.text_config
-        model_facts = {
-            "decode_weight_bytes": decode_weight_bytes(model),
-            "latent_bytes_per_token": text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim)
-            * model.dtype.itemsize,
-            "bandwidth_bytes_per_s": copy_bandwidth(args.device),
-            "experts_implementation": text._experts_implementation,
-        }  # fmt: skip
+    model = build_model(args.size, args.device, getattr(torch, args.dtype))
+    text = model.config.text_config
+    model_facts = {
+        "decode_weight_bytes": decode_weight_bytes(model),
+        "latent_bytes_per_token": text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim)
+        * model.dtype.itemsize,
+        "experts_implementation": text._experts_implementation,
+    }  # fmt: skip
+    if args.gpu:
+        model_facts["bandwidth_bytes_per_s"] = copy_bandwidth(args.device)
     name = f"bench_long_context_{args.device}" + ("" if args.size in ("full", "a3b_attention") else f"_{args.size}")
     settings = {key: getattr(args, key) for key in ("size", "device", "dtype", "contexts", "batches", "steps",
                                                     "warm_up", "fixed_slots", "budget_s")}  # fmt: skip
@@ -278,21 +308,30 @@ def long_context(args) -> None:
         return write_result(name, {"settings": settings, "model": model_facts, "variants": results,
                                    "summary": summarize(results, args, model_facts), "notes": notes})  # fmt: skip
 
-    # Context by context, all variants back to back: load changes on a shared machine hit a ratio's both sides alike.
     for batch_size in args.batches:
         for context in args.contexts:
-            for variant in args.variants:
-                if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
-                    skipped.append(f"{variant} context {context} batch {batch_size}")
-                    continue
-                if in_process:
-                    record = time_variant(model, variant, context, batch_size, args)
-                else:
-                    record = measure_in_child(args, variant, context, batch_size)
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                skipped.extend(f"{variant} context {context} batch {batch_size}" for variant in args.variants)
+                continue
+            if args.gpu:  # a dedicated device: one variant after the other, each with the allocator's own peak
+                records = {name: time_variant(model, name, context, batch_size, args) for name in args.variants}
+            else:  # a shared CPU: the variants' steps in turn; peak memory from a fresh process per variant
+                runs = {name: prepare_step(model, name, context, batch_size, args)[0] for name in args.variants}
+                timings = timed_steps(runs, args, args.device)
+                del runs
+                model.clear_static_generation()
+                records = {
+                    variant: {**timing_record(timings[variant]),
+                              "peak_memory_above_model_bytes": peak_memory_in_child(args, variant, context, batch_size),
+                              "read_slots_capacity": capacity(variant, context, args.warm_up + args.steps,
+                                                              args.fixed_slots)}
+                    for variant in args.variants
+                }  # fmt: skip
+            for variant, record in records.items():
                 results[variant].setdefault(str(batch_size), {})[str(context)] = record
                 print(f"batch {batch_size}  context {context:6d}  {variant:15s} {record['ms_per_step']:9.2f} ms/step",
                       flush=True)  # fmt: skip
-                write()
+            write()
     path = write()
     print(json.dumps(summarize(results, args, model_facts), indent=2))
     print(f"written to {path}")
