@@ -52,6 +52,8 @@ bench: venv
 	$(PY) benchmarks/bench_vision.py
 	$(PY) benchmarks/bench_image_processor.py
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_long_context.py --crossover
+	$(PY) benchmarks/bench_long_context.py
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py
 	$(PY) benchmarks/bench_hub_export_memory.py
 	$(PY) benchmarks/bench_demo_memory.py

@@ -618,6 +618,15 @@ class ChatEngine:
             if settings.temperature > 0
             else {"do_sample": False}
         )
+        # On CUDA the static path replays the language model from CUDA graphs. One fixed capacity (the whole context)
+        # gives every request the same workspace and graphs; it costs memory (the MLA latent: ~4 GB in bf16 for
+        # Kimi-VL-A3B's 128K), not speed, as decode reads only the filled slots. On CPU, plain generate() measured at
+        # least as fast (benchmarks/bench_generate.py, README "Fast generation").
+        cache = (
+            {"cache_implementation": "static", "max_cache_len": self.context_length}
+            if self.model.device.type == "cuda"
+            else {}
+        )
         failures: list[BaseException] = []
 
         def generate() -> None:
@@ -626,6 +635,7 @@ class ChatEngine:
                     self.model.generate(
                         **prepared.inputs,
                         **sampling,
+                        **cache,
                         max_new_tokens=settings.max_new_tokens,
                         min_new_tokens=settings.max_new_tokens if self.ignore_eos else None,
                         eos_token_id=self.end_of_turn_id,

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# GPU checks of the static-cache generation path, on one CUDA device (sized for an H200, under 8 minutes in all):
-#   1. the CUDA-only tests: graph capture and replay, graph-on == graph-off == plain generate, capture refusal;
-#   2. benchmarks/bench_generate.py --gpu: full Kimi-VL-A3B config with random bf16 weights, results JSON written to
-#      benchmarks/results/bench_generate_cuda_full.json;
-#   3. benchmarks/bench_quantization.py --gpu: the same config in bf16 and then weight-only int8, static-path decode
-#      tokens/s at batch 1 and 8 and peak memory, in benchmarks/results/bench_quantization_cuda_full.json.
-# Every stage has a hard time limit; a benchmark variant that overruns is stopped and noted in the JSON.
+# GPU checks of the fast generation paths, on one CUDA device (sized for an H200):
+#   1. the CUDA-only tests: graph capture and replay (every read bucket), graph-on == graph-off == plain generate,
+#      capture refusal, the quantized static path under graphs;
+#   2. benchmarks/bench_long_context.py --gpu: full Kimi-VL-A3B config with random bf16 weights, decode ms/step at
+#      contexts 1K, 8K and 32K, batch 1 and 8: expanded vs absorbed MLA attention on plain generate(), and the static
+#      path (CUDA graphs) with automatic and fixed capacity; batch-1 decode as a share of the bandwidth limit counting
+#      the weights and the cached latent. Results: benchmarks/results/bench_long_context_cuda.json (written after
+#      every measurement, so a stage stopped by its limit keeps what it measured);
+#   3. benchmarks/bench_generate.py --gpu: decode tokens/s at batch 1/8/32 and time to first token against plain
+#      generate() and transformers' static+compile. Results: benchmarks/results/bench_generate_cuda_full.json;
+#   4. benchmarks/bench_quantization.py --gpu: the same config in bf16 and then weight-only int8, static-path decode
+#      tokens/s at batch 1 and 8 and peak memory. Results: benchmarks/results/bench_quantization_cuda_full.json.
+# Under 8 minutes by design: every stage has a hard limit and the limits add up to 480 s (90 + 90 + 210 + 90). A
+# benchmark variant that overruns is stopped and named in its JSON; measurements that would start after a stage's
+# budget are skipped and named too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
@@ -18,15 +26,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)'
 
 # The test_cuda_* tests skip without CUDA; with it they must run, so a skip here counts as a failure.
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_generation_fast.py tests/test_quantization.py -k test_cuda_ -rs \
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_generation_fast.py tests/test_quantization.py -k test_cuda_ -rs \
     | tee /tmp/gpu_check_tests.log
 if grep -q "skipped" /tmp/gpu_check_tests.log; then
     echo "gpu_check.sh: CUDA tests were skipped on a CUDA machine" >&2
     exit 1
 fi
 
-# plain and ours: ~1 minute each expected; hf_static gets the 3 minutes its torch.compile is allowed.
-timeout 450 "$PY" benchmarks/bench_generate.py --gpu --compile-budget 180 --child-timeout 90 --repeats 3
+# Long context: stops starting measurements after 60 s; the hard limit leaves room for the one in flight.
+timeout 90 "$PY" benchmarks/bench_long_context.py --gpu --budget-s 60
+
+# plain and ours: under a minute each (55 s each at most); hf_static gets 80 s for its torch.compile.
+timeout 210 "$PY" benchmarks/bench_generate.py --gpu --compile-budget 80 --child-timeout 55 --repeats 3
 
 # bf16 then int8 in one process, static path only (graphs captured once per batch size): ~1 minute expected.
-timeout 150 "$PY" benchmarks/bench_quantization.py --gpu --repeats 2
+timeout 90 "$PY" benchmarks/bench_quantization.py --gpu --repeats 2

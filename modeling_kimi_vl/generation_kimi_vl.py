@@ -8,15 +8,15 @@ the streamer's prompt) and then hands over to `KimiVLStaticGenerationMixin._stat
     images  -> vision tower + projector, merged into the prompt embeddings     (eager: shapes follow the images)
     prompt  -> prefill step of the (batch, length) bucket -> logits of the last prompt token
     repeat:    logits processors -> next tokens (argmax / multinomial) -> stopping criteria, streamer
-               -> decode step of the batch bucket -> logits of the fed token
+               -> decode step of the (batch, read) bucket -> logits of the fed token
 
 A step is one language-model forward over persistent buffers of fixed shape (a `StaticStep`): on CUDA it is captured
 into a CUDA graph the first time it runs and replayed afterwards; elsewhere, or with `cuda_graphs=False`, the very same
 function runs eagerly. All graphs of a model share one memory pool. Graphs are not kept forever: workspaces, and the
-prefill steps inside a workspace, are evicted least recently used first (MAX_WORKSPACES, MAX_PREFILL_STEPS), and
-everything is dropped when graphs are switched on or off or when any parameter or buffer of the model is replaced by
-another tensor (`.to()`, `load_state_dict(assign=True)`, quantizing a layer); an evicted step is captured again when
-it is next needed.
+prefill and decode steps inside a workspace, are evicted least recently used first (MAX_WORKSPACES, MAX_PREFILL_STEPS,
+MAX_DECODE_STEPS), and everything is dropped when graphs are switched on or off or when any parameter or buffer of the
+model is replaced by another tensor (`.to()`, `load_state_dict(assign=True)`, quantizing a layer); an evicted step is
+captured again when it is next needed.
 
 Layout of one request inside its workspace (batch bucket B, cache capacity C slots):
 
@@ -26,7 +26,11 @@ Layout of one request inside its workspace (batch bucket B, cache capacity C slo
     decode:                          | generated token i is written at slot T+i (over the filler)
 
 A prefill step of bucket Lb reads (and masks) only the cache slots [0, Lb): nothing later can be visible to a prompt
-query. A decode step reads all C slots.
+query. A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 384, 512, 768,
+1024, ..., capped at C), so its cost follows the request's length, not the capacity: a large fixed `max_cache_len`
+costs memory, not speed. Each read bucket has its own step (a graph on CUDA), chosen on the host from the number of
+tokens fed so far, never from device values. With the absorbed MLA attention (modeling_kimi_vl.KimiVLMLAAttention) a
+decode step reads each cached slot's latent once for all heads instead of expanding it through `kv_b_proj`.
 
 Rows past the real batch are dummy prompts. The prompt keeps its own left padding, so every real token sits in the
 same cache slot and has the same rotary position as in plain `generate()`; that is what keeps greedy outputs
@@ -56,6 +60,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
+from .parallel_kimi_vl import local_part
+
 # Experts implementations whose forward has no data-dependent shapes or host reads (the "eager" loop has both).
 CAPTURABLE_EXPERTS_IMPLEMENTATIONS = ("batched_mm", "grouped_mm")
 # Attention implementations that take the explicit 4-D mask the static layout needs.
@@ -66,15 +72,17 @@ CACHE_SLOT_GRANULE = 256
 MAX_WORKSPACES = 8
 # Prefill steps (one per prompt bucket, each a CUDA graph with its own output) kept per workspace.
 MAX_PREFILL_STEPS = 8
+# The smallest number of cache slots a decode step reads; larger read buckets grow geometrically from here up to the
+# capacity (see decode_read_bucket).
+MIN_DECODE_READ_SLOTS = 256
+# Decode steps (one per read bucket) kept per workspace. A long request walks the read buckets in ascending order, so
+# the bound holds all of them for any capacity up to 256 * 2**11 = 512K slots (23 buckets; Kimi-VL's 128K context
+# takes 19): evicting one would make every request capture it again.
+MAX_DECODE_STEPS = 24
 # transformers 5.24 renamed the language model's cache argument from `past_key_values` to `cache` (the old name warns
 # on every call until 5.40); pass it under the name the installed version takes.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
 GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
-else:  # a torch build without torch.distributed has no tensor-parallel parameters
-    DTensor = ()
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -82,6 +90,15 @@ def batch_bucket(batch_size: int) -> int:
     if batch_size <= 8:
         return 1 << (batch_size - 1).bit_length()
     return -(-batch_size // 8) * 8
+
+
+def decode_read_bucket(filled_slots: int, num_slots: int) -> int:
+    """Slots a decode step reads when `filled_slots` hold tokens: the next of 2^k and 1.5 * 2^k (256, 384, 512, 768,
+    1024, ...) from MIN_DECODE_READ_SLOTS, capped at the capacity. Beyond the first bucket it reads at most 1.5x the
+    filled slots (a plain power of two would read 2x just past every power of two), with two steps per doubling."""
+    power_of_two = 1 << (filled_slots - 1).bit_length()
+    bucket = power_of_two * 3 // 4 if filled_slots <= power_of_two * 3 // 4 else power_of_two
+    return min(num_slots, max(MIN_DECODE_READ_SLOTS, bucket))
 
 
 def prompt_bucket(length: int) -> int:
@@ -139,7 +156,7 @@ class StaticLatentLayer(CacheLayerMixin):
 class StaticLatentCache(Cache):
     """A fixed-capacity latent cache driven by the step that runs the model: `write_slots` (a device tensor) are the
     slots it writes, `read_slots` (a Python int) how many leading slots attention reads. A prefill step of bucket Lb
-    writes and reads slots [0, Lb); a decode step writes one slot and reads all of them."""
+    writes and reads slots [0, Lb); a decode step writes one slot and reads the leading slots of its read bucket."""
 
     def __init__(self, num_layers: int, num_slots: int):
         self.num_slots = num_slots
@@ -204,8 +221,8 @@ class StaticStep:
 
 class GenerationWorkspace:
     """Everything with a fixed address for requests of one batch bucket and one cache capacity: the latent cache,
-    the input buffers of the steps, and the steps themselves (one decode step, and one prefill step per prompt bucket,
-    at most MAX_PREFILL_STEPS of them, least recently used first out).
+    the input buffers of the steps, and the steps themselves (one prefill step per prompt bucket and one decode step
+    per read bucket, at most MAX_PREFILL_STEPS and MAX_DECODE_STEPS of them, least recently used first out).
 
     The prefill inputs are one `[batch, slots, ...]` buffer each, which every prompt bucket reads a leading view of,
     so a new prompt bucket costs a graph, not new input buffers.
@@ -231,11 +248,13 @@ class GenerationWorkspace:
         self.prefill_slots = torch.arange(num_slots, device=device)
         self.prefill_last_index = torch.zeros(1, dtype=torch.long, device=device)
         self.prefill_steps: OrderedDict[int, StaticStep] = OrderedDict()
-        # Decode inputs: the token fed at each row, its rotary position and its cache slot (shared by all rows).
+        # Decode inputs: the token fed at each row, its rotary position and its cache slot (shared by all rows). The
+        # host keeps its own count of the filled slots, which picks the read bucket without reading the device.
         self.decode_input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.decode_positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.decode_slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.decode_step = StaticStep(self._decode_forward, graph_pool)
+        self.filled_slots = 0
+        self.decode_steps: OrderedDict[int, StaticStep] = OrderedDict()
 
     def _run_language_model(self, read_slots: int, write_slots, position_ids, logits_index=None, **inputs):
         self.cache.read_slots = read_slots
@@ -258,19 +277,17 @@ class GenerationWorkspace:
         )
         return outputs.logits[:, -1]
 
-    def _decode_forward(self) -> torch.Tensor:
-        # Reads all C slots: every decode step expands the whole latent through kv_b_proj, O(C) per step whatever the
-        # request's length. Future work: the absorbed MLA form (kv_b_proj folded into the query and the output) would
-        # attend over the latent directly and remove that expansion.
-        return self._run_language_model(
-            self.num_slots, self.decode_slot, self.decode_positions, input_ids=self.decode_input_ids
-        )
+    def _step(self, steps: OrderedDict, key: int, limit: int, forward) -> StaticStep:
+        """The step under `key` in `steps` (made from `forward` if missing), now the most recently used of them."""
+        if key in steps:
+            steps.move_to_end(key)
+        else:
+            steps[key] = StaticStep(forward, self.graph_pool)
+            if len(steps) > limit:
+                steps.popitem(last=False)
+        return steps[key]
 
     def _prefill_step(self, length: int) -> StaticStep:
-        if length in self.prefill_steps:
-            self.prefill_steps.move_to_end(length)
-            return self.prefill_steps[length]
-
         def prefill_forward():
             return self._run_language_model(
                 length,
@@ -280,10 +297,15 @@ class GenerationWorkspace:
                 inputs_embeds=self.prefill_embeds[:, :length],
             )
 
-        self.prefill_steps[length] = StaticStep(prefill_forward, self.graph_pool)
-        if len(self.prefill_steps) > MAX_PREFILL_STEPS:
-            self.prefill_steps.popitem(last=False)
-        return self.prefill_steps[length]
+        return self._step(self.prefill_steps, length, MAX_PREFILL_STEPS, prefill_forward)
+
+    def _decode_step(self, read_slots: int) -> StaticStep:
+        def decode_forward():
+            return self._run_language_model(
+                read_slots, self.decode_slot, self.decode_positions, input_ids=self.decode_input_ids
+            )
+
+        return self._step(self.decode_steps, read_slots, MAX_DECODE_STEPS, decode_forward)
 
     def prefill(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
         """Run the prompt (`[batch, T, hidden]`, left-padded, mask and positions as `generate` prepared them) and set
@@ -304,6 +326,7 @@ class GenerationWorkspace:
         logits = step()[:batch_size]
 
         # The first decode step feeds slot T at the position after each row's last prompt token.
+        self.filled_slots = prompt_length
         self.decode_slot.fill_(prompt_length - 1)
         self.decode_positions.zero_()
         self.decode_positions[:batch_size].copy_(position_ids[:, -1:])
@@ -315,11 +338,24 @@ class GenerationWorkspace:
         self.decode_input_ids[: input_ids.shape[0], 0].copy_(input_ids)
         self.decode_slot.add_(1)
         self.decode_positions.add_(1)
-        return self.decode_step()[: input_ids.shape[0]]
+        self.filled_slots += 1
+        step = self._decode_step(decode_read_bucket(self.filled_slots, self.num_slots))
+        return step()[: input_ids.shape[0]]
+
+    def warm_up_decode_steps(self) -> None:
+        """Run (on CUDA: capture) the decode step of every read bucket up to the capacity, each with its query in the
+        bucket's last slot. What it writes there is never seen: a request writes every slot before it can read it."""
+        read_slots = decode_read_bucket(1, self.num_slots)
+        while True:
+            self.decode_slot.fill_(read_slots - 1)
+            self._decode_step(read_slots)()
+            if read_slots == self.num_slots:
+                break
+            read_slots = decode_read_bucket(read_slots + 1, self.num_slots)
 
     @property
     def num_graphs(self) -> int:
-        return sum(step.captured for step in (self.decode_step, *self.prefill_steps.values()))
+        return sum(step.captured for step in (*self.decode_steps.values(), *self.prefill_steps.values()))
 
 
 def weights_key(model) -> tuple:
@@ -328,8 +364,7 @@ def weights_key(model) -> tuple:
     into the same tensors do not (the graphs read the new values)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     # A tensor-parallel parameter is a DTensor, whose memory is its local shard.
-    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors)
-    return tuple((tensor.device, tensor.dtype, tensor.data_ptr()) for tensor in local)
+    return tuple((tensor.device, tensor.dtype, tensor.data_ptr()) for tensor in map(local_part, tensors))
 
 
 class StaticGenerationState:
@@ -413,9 +448,10 @@ class KimiVLStaticGenerationMixin:
         return super().generate(*request.args[1:], **request.kwargs)
 
     def warm_up_static_generation(self, batch_size: int, prompt_length: int, max_new_tokens: int = 2, **kwargs):
-        """Build the workspace (and, on CUDA, capture the prefill and decode graphs) that a text request of this shape
-        will use, so the first real request does not pay for it. `kwargs` go to `generate` (e.g. `max_cache_len`,
-        `cuda_graphs`); image requests of the same token length use the same graphs.
+        """Build the workspace (and, on CUDA, capture the prefill graph and the decode graph of every read bucket up to
+        the capacity) that a text request of this shape will use, so the first real request does not pay for it.
+        `kwargs` go to `generate` (e.g. `max_cache_len`, `cuda_graphs`); image requests of the same token length use
+        the same graphs.
 
         Only one workspace is warmed: the one of capacity `prompt_length + max_new_tokens` rounded up to
         CACHE_SLOT_GRANULE slots, unless `max_cache_len` fixes the capacity. A later request whose length rounds up
@@ -429,6 +465,7 @@ class KimiVLStaticGenerationMixin:
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
+            warm_up_decode_steps=True,
             **kwargs,
         )
 
@@ -468,10 +505,12 @@ class KimiVLStaticGenerationMixin:
         generation_config,
         streamer=None,
         cuda_graphs: bool | None = None,
+        warm_up_decode_steps: bool = False,
         **model_kwargs,
     ):
         """The decoding loop of `generate(..., cache_implementation="static")`, run by `generate` once it has prepared
-        the request. `cuda_graphs`: None replays graphs when possible, True requires them, False runs eagerly."""
+        the request. `cuda_graphs`: None replays graphs when possible, True requires them, False runs eagerly.
+        `warm_up_decode_steps` (for `warm_up_static_generation`) also runs the decode step of every read bucket."""
         pixel_values = model_kwargs.pop("pixel_values", None)
         image_grid_hws = model_kwargs.pop("image_grid_hws", None)
         attention_mask = model_kwargs.pop("attention_mask", None)
@@ -503,9 +542,12 @@ class KimiVLStaticGenerationMixin:
             workspace = state.workspace(self, batch_size, num_slots, use_graphs)
             inputs_embeds = self.embed_inputs(input_ids, pixel_values=pixel_values, image_grid_hws=image_grid_hws)
             first_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
-            return self._static_token_loop(
+            output = self._static_token_loop(
                 workspace, input_ids, first_logits, logits_processor, stopping_criteria, generation_config, streamer
             )
+            if warm_up_decode_steps:
+                workspace.warm_up_decode_steps()
+            return output
 
     def _static_token_loop(
         self, workspace, input_ids, next_token_logits, logits_processor, stopping_criteria, generation_config, streamer

@@ -21,6 +21,11 @@ from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import is_flash_attention_requested
@@ -28,13 +33,19 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
 from .generation_kimi_vl import CACHE_ARGUMENT, KimiVLStaticGenerationMixin
-from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel
+from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel, local_part
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5
 MOONVIT_ROPE_THETA = 10000.0
 # The original precomputes a 512 x 512 rotary table: patch rows and columns must stay below this.
 MOONVIT_MAX_GRID_SIDE = 512
+# Language-model queries of at most this many tokens attend over the MLA latent directly (the absorbed form); longer
+# ones expand the latent through kv_b_proj. Measured on a 2-core CPU (one layer at Kimi-VL-A3B's sizes, 4K cached
+# tokens, fp32; `python benchmarks/bench_long_context.py --crossover`): absorbed 17x faster for 1 query token, 2.8x for
+# 64, 1.6x for 128, 1.1x for 256, 0.87x for 512. The limit keeps a margin below the crossover and bounds the scores the
+# absorbed form materialises (heads x query x context; the expanded form hands that to SDPA's kernels).
+ABSORBED_MAX_QUERY_LENGTH = 128
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -422,6 +433,125 @@ class KimiVLMultiModalProjector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(hidden_states)))
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Language model: MLA attention that attends over the cached latent for short queries
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KimiVLMLAAttention(DeepseekV3Attention):
+    """transformers' DeepSeek-V3 MLA attention (same parameters, same cache contents), plus the absorbed form for short
+    queries without gradients: decode steps, and multi-token queries up to `absorb_max_query_length` tokens.
+
+    The cache holds, per token, the normalised latent `c` (`[B, 1, L, kv_lora_rank]`) and the rotated shared rope key
+    `k_pe` (`[B, 1, L, rope]`). The expanded form (the parent's) turns every cached token into per-head keys and values
+    through `kv_b_proj` at every step: work and temporaries of heads x context x (nope + v). The absorbed form moves
+    `kv_b_proj` to the query and output side instead, which is exact algebra:
+
+        q_lat[h] = q_nope[h] @ W_UK[h]                       W_UK[h] = kv_b_proj rows of head h's key   [nope, R]
+        scores   = (q_lat . c + q_pe . k_pe) * scaling       one key "head" of width R + rope, shared by all heads
+        out[h]   = (softmax(scores) @ c) @ W_UV[h]^T          W_UV[h] = kv_b_proj rows of head h's value [v, R]
+
+    The heads are laid out as query rows of that single key head, so one batched matmul reads each cached token once
+    for all heads, and nothing of size heads x context x head_dim is formed. `W_UK`/`W_UV` are views of
+    `kv_b_proj.weight` taken at every call (nothing derived is kept, so a new or edited weight takes effect at once);
+    under tensor parallelism each rank's local weight holds whole heads, and those are the heads its queries have.
+
+    The expanded form stays for long queries (prefill is compute-bound and cheaper expanded), for gradients (training
+    keeps transformers' path), for attention implementations other than "eager"/"sdpa" (their masks have other forms),
+    and when `kv_b_proj` is not a plain `nn.Linear` (a LoRA adapter or a quantized layer holds more than `.weight`).
+    `absorb_max_query_length = 0` on a module (or the class) switches the absorbed form off (for comparisons).
+    """
+
+    absorb_max_query_length = ABSORBED_MAX_QUERY_LENGTH
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+        # transformers >= 5.24 passes the cache as `cache`, earlier releases as `past_key_values`.
+        cache = kwargs.pop(CACHE_ARGUMENT, None)
+        if not self.uses_absorbed_form(hidden_states):
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, **{CACHE_ARGUMENT: cache}, **kwargs
+            )
+
+        # The projections, rotary embedding and cache update are the parent's, step for step (it has no seam to reuse
+        # them without also expanding the latent): the cache receives exactly what the expanded form stores.
+        batch_size, query_length = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            q_states = self.q_proj(hidden_states)
+        else:
+            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_states = q_states.view(batch_size, query_length, -1, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = torch.split(
+            self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, query_length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch_size, 1, query_length, self.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+        if cache is not None:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
+
+        attn_output, attn_weights = self.absorbed_attention(q_nope, q_rot, kv_nope, k_rot, attention_mask)
+        attn_output = attn_output.transpose(1, 2).reshape(batch_size, query_length, -1)
+        return self.o_proj(attn_output), attn_weights
+
+    def uses_absorbed_form(self, hidden_states: torch.Tensor) -> bool:
+        """Decided from shapes, modes and types only (host-side facts: the same on every rank, no device reads)."""
+        return (
+            hidden_states.shape[1] <= self.absorb_max_query_length
+            and not torch.is_grad_enabled()
+            and not (self.training and self.attention_dropout > 0)
+            and self.config._attn_implementation in ("eager", "sdpa")
+            and type(self.kv_b_proj) is nn.Linear
+        )
+
+    def absorbed_attention(self, q_nope, q_rot, latent, k_rot, attention_mask):
+        """Queries `q_nope [B, H, q, nope]`, `q_rot [B, H, q, rope]` over the latent `[B, 1, L, R]` and rope keys
+        `[B, 1, L, rope]`; returns per-head outputs `[B, H, q, v]` and the attention probabilities `[B, H, q, L]` (as
+        the eager parent does; None for sdpa, like transformers' sdpa)."""
+        batch_size, num_heads, query_length, _ = q_nope.shape
+        key_length = latent.shape[2]
+        kv_b_weight = local_part(self.kv_b_proj.weight).view(num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        w_uk, w_uv = kv_b_weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        # The scaling is applied to the (small) queries before the products, as SDPA does: smaller intermediates in
+        # fp16/bf16, and the same mathematical scale as the parent (1/sqrt(nope + rope), times yarn's mscale^2).
+        q_latent = torch.matmul(q_nope * self.scaling, w_uk)  # [B, H, q, R]
+        q_rope = q_rot * self.scaling
+        latent, k_rot = latent.squeeze(1), k_rot.squeeze(1)  # [B, L, R], [B, L, rope]: the one shared key head
+        scores = torch.baddbmm(
+            torch.bmm(q_rope.reshape(batch_size, -1, self.qk_rope_head_dim), k_rot.transpose(1, 2)),
+            q_latent.reshape(batch_size, -1, q_latent.shape[-1]),
+            latent.transpose(1, 2),
+        ).view(batch_size, num_heads, query_length, key_length)
+        # Masks are [B, 1, q, >= L]: they broadcast over the heads, which are the rows of `scores` per query.
+        if attention_mask is None:
+            if query_length > 1:  # what sdpa's is_causal means when transformers leaves the mask out (q == L)
+                causal = torch.ones(query_length, key_length, dtype=torch.bool, device=scores.device)
+                scores = scores.masked_fill(~causal.tril(key_length - query_length), torch.finfo(scores.dtype).min)
+        elif attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., :key_length], torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask[..., :key_length]
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+        latent_output = torch.bmm(probabilities.view(batch_size, -1, key_length), latent)  # [B, H*q, R]
+        output = torch.matmul(latent_output.view(batch_size, num_heads, query_length, -1), w_uv.transpose(1, 2))
+        return output, probabilities if self.config._attn_implementation == "eager" else None
+
+
+class KimiVLPreTrainedModel(PreTrainedModel):
+    config: KimiVLConfig
+    base_model_prefix = ""
+    input_modalities = ("image", "text")
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MoonViTEncoderLayer", "DeepseekV3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
 class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerationMixin, GenerationMixin):
     """Kimi-VL for image-text-to-text generation. Submodules are named as in the release, so its checkpoints load
     unchanged: `vision_tower.*`, `multi_modal_projector.*`, `language_model.{model,lm_head}.*`."""
@@ -431,6 +561,8 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         self.vision_tower = MoonViTModel(config.vision_config)
         self.multi_modal_projector = KimiVLMultiModalProjector(config)
         self.language_model = DeepseekV3ForCausalLM(config.text_config)
+        for layer in self.language_model.model.layers:  # same parameter names: checkpoints and TP plans unchanged
+            layer.self_attn = KimiVLMLAAttention(config.text_config, layer.self_attn.layer_idx)
         self.post_init()
 
     def init_parallel_plans(self) -> None:
@@ -655,6 +787,7 @@ __all__ = [
     "MoonViTModel",
     "KimiVLPreTrainedModel",
     "KimiVLForConditionalGeneration",
+    "KimiVLMLAAttention",
     "PackedImages",
     "read_image_grids",
 ]

@@ -19,7 +19,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, PackedColwiseParallel
 from transformers.processing_utils import Unpack
@@ -32,6 +32,11 @@ def process_state() -> PartialState:
     """This process's rank and the world, from accelerate (which shares one state per process)."""
     # Without an accelerator, accelerate sees the (gloo) process group only when asked for CPU explicitly.
     return PartialState(cpu=not torch.accelerator.is_available())
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel parameter (transformers holds them as DTensors), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # ----------------------------------------------------------------------------------------------------------------------

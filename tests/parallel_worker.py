@@ -7,7 +7,8 @@ compares them; this script asserts nothing itself so that every difference is re
 
 Scenarios: "two_images" (the fixture's prompt), "one_image" (fewer images than ranks), "three_images" (very different
 sizes), "text_only" (the fixture's text batch). For STATIC_SCENARIOS the greedy tokens of
-`generate(cache_implementation="static")` are recorded too.
+`generate(cache_implementation="static")` are recorded too, and those of plain `generate()` with the expanded MLA
+attention (the absorbed form switched off), with how often the static run expanded the latent through kv_b_proj.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DistributedConfig
 
 from modeling_kimi_vl import KimiVLForConditionalGeneration
+from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
 
 PLACEHOLDER_ID = 300
 NEW_TOKENS = 8
@@ -78,9 +80,20 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
         report[f"{prefix}.{name}.tower_grids"] = list(tower_grids)
         results[f"{prefix}.{name}.tokens"] = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         if name in STATIC_SCENARIOS:
+            expansions = []
+            hooks = [layer.self_attn.kv_b_proj.register_forward_hook(lambda *args: expansions.append(1))
+                     for layer in model.language_model.model.layers]  # fmt: skip
             results[f"{prefix}.{name}.static_tokens"] = model.generate(
                 **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
             )
+            for hook in hooks:
+                hook.remove()
+            report[f"{prefix}.{name}.static_expansions"] = len(expansions)
+            KimiVLMLAAttention.absorb_max_query_length = 0
+            results[f"{prefix}.{name}.expanded_tokens"] = model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            KimiVLMLAAttention.absorb_max_query_length = ABSORBED_MAX_QUERY_LENGTH
         if "pixel_values" in inputs:
             features = model.get_image_features(inputs["pixel_values"], inputs["image_grid_hws"])
             results[f"{prefix}.{name}.merged"] = features.last_hidden_state

@@ -132,7 +132,10 @@ def test_only_the_mla_latent_is_cached_sized_from_the_request(model, expected):
 
 def step_identities(workspace) -> dict:
     """The step objects of a workspace and what they captured (graph and output; None when eager)."""
-    steps = {"decode": workspace.decode_step, **{f"prefill {n}": step for n, step in workspace.prefill_steps.items()}}
+    steps = {
+        **{f"decode {n}": step for n, step in workspace.decode_steps.items()},
+        **{f"prefill {n}": step for n, step in workspace.prefill_steps.items()},
+    }
     return {name: (step, step.graph, step.output) for name, step in steps.items()}
 
 
@@ -148,7 +151,7 @@ def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
     workspaces = dict(model._static_generation_state().workspaces)
     assert list(workspaces) == [(1, 256)]
     steps = step_identities(workspaces[1, 256])
-    assert list(steps) == ["decode", "prefill 64"]
+    assert list(steps) == ["decode 256", "prefill 64"]
     first = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     second = model.generate(**request, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(first, second)
@@ -524,7 +527,7 @@ def test_the_host_read_guard_catches_each_form(monkeypatch, host_read):
 
 def steps_of(model):
     (workspace,) = model._static_generation_state().workspaces.values()
-    return [*workspace.prefill_steps.values(), workspace.decode_step]
+    return [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]
 
 
 def test_steps_never_read_device_tensors_back_to_the_host(model, expected, monkeypatch):
@@ -577,7 +580,7 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
     assert workspace.num_graphs == 2  # one prefill bucket, one decode step
     replayed = model.generate(**request, **settings, cuda_graphs=True)
     assert workspace.num_graphs == 2, "the second call must replay, not capture again"
-    steps = [*workspace.prefill_steps.values(), workspace.decode_step]
+    steps = [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]
     outputs = [step.output for step in steps]
     with synchronizing_is_an_error():
         for step in steps:
@@ -590,6 +593,29 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
     if dtype == torch.float32:
         plain = model.generate(**request, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
         assert torch.equal(graphs, plain)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_of_every_read_bucket_equal_eager_steps(reference_checkpoint, expected, dtype, monkeypatch):
+    """80 new tokens from a 57-token prompt with read buckets from 32: decode graphs for 64, 96, 128 and 192 slots,
+    each captured once and replayed without a sync, giving the eager steps' tokens (and plain generate()'s in fp32)."""
+    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, dtype=dtype).to("cuda").eval()
+    request = fixture_request(expected, "cuda")
+    settings = dict(max_new_tokens=80, do_sample=False, cache_implementation="static")
+    graphs = model.generate(**request, **settings, cuda_graphs=True)
+    (workspace,) = model._static_generation_state().workspaces.values()
+    assert list(workspace.decode_steps) == [64, 96, 128, 192] and workspace.num_graphs == 5
+    assert torch.equal(model.generate(**request, **settings, cuda_graphs=True), graphs)
+    assert workspace.num_graphs == 5, "the second call must replay, not capture again"
+    with synchronizing_is_an_error():
+        for step in workspace.decode_steps.values():
+            step()
+    torch.cuda.synchronize()
+    assert torch.equal(model.generate(**request, **settings, cuda_graphs=False), graphs)
+    if dtype == torch.float32:
+        assert torch.equal(model.generate(**request, max_new_tokens=80, do_sample=False), graphs)
 
 
 @requires_cuda

@@ -275,6 +275,16 @@ def test_static_generation_under_tensor_parallelism_equals_single_process_plain_
     plain = results[f"{single}.{scenario}.tokens"]
     assert torch.equal(results[f"{parallel}.{scenario}.static_tokens"], plain)
     assert torch.equal(results[f"{single}.{scenario}.static_tokens"], plain)
+    # The absorbed attention (per-rank heads of kv_b_proj) gives the expanded form's tokens, on one process and on two.
+    assert torch.equal(results[f"{parallel}.{scenario}.expanded_tokens"], plain)
+    assert torch.equal(results[f"{single}.{scenario}.expanded_tokens"], plain)
+
+
+@pytest.mark.parametrize("scenario", STATIC_SCENARIOS)
+@pytest.mark.parametrize("parallel", ["reference.data", "even.weight"])
+def test_static_generation_under_tensor_parallelism_takes_the_absorbed_form(rank_reports, scenario, parallel):
+    for report in rank_reports:  # short prompts: prefill and every decode step attend over the latent
+        assert report[f"{parallel}.{scenario}.static_expansions"] == 0
 
 
 def test_single_process_reference_matches_the_fixture(rank_results, expected):
