@@ -539,19 +539,6 @@ class KimiVLMLAAttention(DeepseekV3Attention):
         return output, probabilities if self.config._attn_implementation == "eager" else None
 
 
-class KimiVLPreTrainedModel(PreTrainedModel):
-    config: KimiVLConfig
-    base_model_prefix = ""
-    input_modalities = ("image", "text")
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["MoonViTEncoderLayer", "DeepseekV3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-
-
 class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerationMixin, GenerationMixin):
     """Kimi-VL for image-text-to-text generation. Submodules are named as in the release, so its checkpoints load
     unchanged: `vision_tower.*`, `multi_modal_projector.*`, `language_model.{model,lm_head}.*`."""
