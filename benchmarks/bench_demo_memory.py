@@ -1,7 +1,7 @@
 """Resident memory of the demo's queued handler over a multi-image conversation, against one image's decoded size.
 
 The claim to check: the handler holds about one decoded image at a time, not the conversation's images, and hands the
-memory back when a turn ends. `app.answer_turn` (what the Gradio handler runs) answers a conversation of TURNS turns
+memory back when a turn ends. `answer_turn` (kimi_vl_demo/engine.py, what the Gradio handler runs) answers a conversation of TURNS turns
 with IMAGES_PER_TURN large PNGs each (6000 x 6000, a few hundred KB each, well under Pillow's pixel limit), with the
 tiny demo model on the CPU; its steps are run from a thread pool, as Gradio runs a handler. Per turn: the process's
 peak resident memory during the turn (VmHWM, reset before the turn through /proc/self/clear_refs) and its resident
@@ -9,7 +9,7 @@ memory after it (VmRSS), both minus the resident memory before the first turn, a
 (Pillow holds RGB at 4 bytes a pixel: 144 MB here).
 
 Two variants, each in a fresh process: the demo as it is, and the demo without returning freed memory to the system
-at the end of a turn (`app.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
+at the end of a turn (`engine.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
 
     python benchmarks/bench_demo_memory.py [--workdir /tmp/kimi-vl-demo-memory]
 """
@@ -29,8 +29,12 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import app  # noqa: E402
 from common import write_result  # noqa: E402
+from kimi_vl_demo import engine as demo_engine  # noqa: E402
+from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint  # noqa: E402
+from kimi_vl_demo.conversation import user_turn  # noqa: E402
+from kimi_vl_demo.engine import ChatEngine, GenerationSettings, answer_turn, release_memory  # noqa: E402
+from kimi_vl_demo.inputs import InputLimits  # noqa: E402
 
 SIDE = 6000
 TURNS = 3
@@ -70,21 +74,21 @@ def write_images(folder: Path) -> list[list[str]]:
 def measure(variant: str, workdir: Path) -> dict:
     """Run the conversation in this process; per turn its peak and final resident memory over the start, in MB."""
     if variant == "without malloc_trim":
-        app.LIBC = None
-    checkpoint = app.Checkpoint(app.ensure_tiny_checkpoint(workdir / "cache"), "tiny demo model", "tiny")
-    limits = app.InputLimits(max_images=IMAGES_PER_TURN, max_image_mb=50.0, max_conversation_image_mb=512.0)
-    engine = app.ChatEngine(checkpoint, "cpu", torch.float32, limits)
-    settings = app.GenerationSettings(max_new_tokens=4, temperature=0.0, top_p=1.0)
+        demo_engine.LIBC = None  # read by release_memory when a turn ends
+    checkpoint = Checkpoint(ensure_tiny_checkpoint(workdir / "cache"), "tiny demo model", "tiny")
+    limits = InputLimits(max_images=IMAGES_PER_TURN, max_image_mb=50.0, max_conversation_image_mb=512.0)
+    engine = ChatEngine(checkpoint, "cpu", torch.float32, limits)
+    settings = GenerationSettings(max_new_tokens=4, temperature=0.0, top_p=1.0)
     turns = json.loads((workdir / "images.json").read_text())
     history, prepared_images = [], {}
-    app.release_memory()
+    release_memory()
     start_kib = status_kib("VmRSS")
     rows = []
     with ThreadPoolExecutor(max_workers=4) as pool:  # Gradio runs each step of a handler in a worker thread
         for paths in turns:
-            history += app.user_turn({"text": "What is in these pictures?", "files": paths}, limits)
+            history += user_turn({"text": "What is in these pictures?", "files": paths}, limits)
             reset_peak()
-            steps = app.answer_turn(engine, history, prepared_images, threading.Event(), settings)
+            steps = answer_turn(engine, history, prepared_images, threading.Event(), settings)
             while (history := pool.submit(next, steps, None).result()) is not None:
                 last = history
             history = last

@@ -1,5 +1,5 @@
-"""The Gradio demo (app.py): its input checks and chat logic as plain functions, then the running app (tiny model, in a
-subprocess on a loopback port) driven through its API with gradio_client."""
+"""The Gradio demo (app.py): its input checks and chat logic as plain functions (kimi_vl_demo/), then the running app
+(tiny model, in a subprocess on a loopback port) driven through its API with gradio_client."""
 
 import dataclasses
 import io
@@ -15,11 +15,31 @@ from gradio_client.utils import Status
 from PIL import Image
 from safetensors.torch import load_file
 
-import app
+from app import banner_markdown
 from demo_server import running_demo
 from image_processing import SANITIZING_SUPPORTED
+from kimi_vl_demo.checkpoints import (
+    DEFAULT_MODEL,
+    TINY_DEMO_VERSION,
+    Checkpoint,
+    ensure_tiny_checkpoint,
+    model_kind,
+    resolve_checkpoint,
+)
+from kimi_vl_demo.conversation import (
+    assistant_messages,
+    awaits_answer,
+    chatbot_messages,
+    history_for_regenerate,
+    model_conversation,
+    notice,
+    user_turn,
+)
+from kimi_vl_demo.engine import DEFAULT_SETTINGS, ChatEngine
+from kimi_vl_demo.inputs import InputError, InputLimits, check_context, check_image, load_image
+from kimi_vl_demo.stats import GenerationMonitor, ImageInfo, answer_status, format_stats
 
-LIMITS = app.InputLimits(max_images=2, max_image_mb=1.0, max_conversation_image_mb=64.0)
+LIMITS = InputLimits(max_images=2, max_image_mb=1.0, max_conversation_image_mb=64.0)
 
 
 @pytest.fixture
@@ -53,7 +73,7 @@ def corrupt_png(tmp_path):
 
 
 def test_load_image_decodes_a_valid_image(png):
-    image = app.load_image(png, LIMITS)
+    image = load_image(png, LIMITS)
     assert image.size == (84, 56)
     assert image.getpixel((0, 0)) == (200, 30, 30)
 
@@ -63,12 +83,12 @@ def test_an_image_file_is_decoded_upright_by_its_exif_orientation(tmp_path):
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: stored turned a quarter to the left, shown turned back
     Image.new("RGB", (84, 56), (200, 30, 30)).save(path, exif=exif)
-    assert app.load_image(path, LIMITS).size == (56, 84)
+    assert load_image(path, LIMITS).size == (56, 84)
 
 
 def test_corrupt_file_is_refused_with_its_name_and_the_supported_formats(corrupt_png):
-    with pytest.raises(app.InputError) as refused:
-        app.load_image(corrupt_png, LIMITS)
+    with pytest.raises(InputError) as refused:
+        load_image(corrupt_png, LIMITS)
     message = str(refused.value)
     assert "`broken.png` could not be read as an image" in message
     assert "PNG, JPEG" in message
@@ -78,8 +98,8 @@ def test_corrupt_file_is_refused_with_its_name_and_the_supported_formats(corrupt
 def test_file_over_the_size_limit_is_refused(tmp_path):
     path = tmp_path / "big.bmp"
     Image.new("RGB", (700, 700)).save(path)  # ~1.4 MB uncompressed
-    with pytest.raises(app.InputError, match=r"`big.bmp` is 1\.4 MB; images may be at most 1 MB each"):
-        app.load_image(path, LIMITS)
+    with pytest.raises(InputError, match=r"`big.bmp` is 1\.4 MB; images may be at most 1 MB each"):
+        load_image(path, LIMITS)
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's own, at open; refused after it
@@ -88,34 +108,34 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
     Image.new("RGB", (12, 12)).save(path)
     # 144 pixels lies between MAX_IMAGE_PIXELS and twice that, where Pillow itself only warns.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(app.InputError, match=r"`bomb.png` is 12×12 = 144 pixels; images may have at most 100 pixels"):
-        app.load_image(path, LIMITS)
+    with pytest.raises(InputError, match=r"`bomb.png` is 12×12 = 144 pixels; images may have at most 100 pixels"):
+        load_image(path, LIMITS)
     # Beyond twice the limit Pillow refuses to open it at all.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)
-    with pytest.raises(app.InputError, match=r"`bomb.png` could not be read as an image \(Image size \(144 pixels\)"):
-        app.load_image(path, LIMITS)
+    with pytest.raises(InputError, match=r"`bomb.png` could not be read as an image \(Image size \(144 pixels\)"):
+        load_image(path, LIMITS)
 
 
 def test_unsupported_format_is_refused(tmp_path):
     path = tmp_path / "picture.ppm"
     Image.new("RGB", (8, 8)).save(path)
-    with pytest.raises(app.InputError, match=r"`picture.ppm` could not be read as an image .* Supported formats: PNG"):
-        app.load_image(path, LIMITS)
+    with pytest.raises(InputError, match=r"`picture.ppm` could not be read as an image .* Supported formats: PNG"):
+        load_image(path, LIMITS)
 
 
 def test_checks_read_headers_and_checksums_and_only_decoding_finds_a_truncated_jpeg(tmp_path, truncated_jpeg):
     # PNG carries checksums, which the cheap check verifies without decoding; a cut PNG is refused at once.
-    with pytest.raises(app.InputError, match=r"`cut.png` could not be read as an image \(Truncated File Read\)"):
-        app.check_image(truncated(tmp_path / "cut.png", "PNG"), LIMITS)
+    with pytest.raises(InputError, match=r"`cut.png` could not be read as an image \(Truncated File Read\)"):
+        check_image(truncated(tmp_path / "cut.png", "PNG"), LIMITS)
     # JPEG has none: its cut is found when the image is decoded for the model, and refused there the same way.
-    app.check_image(truncated_jpeg, LIMITS)
-    with pytest.raises(app.InputError, match=r"`cut.jpg` could not be read as an image \(image file is truncated"):
-        app.load_image(truncated_jpeg, LIMITS)
+    check_image(truncated_jpeg, LIMITS)
+    with pytest.raises(InputError, match=r"`cut.jpg` could not be read as an image \(image file is truncated"):
+        load_image(truncated_jpeg, LIMITS)
 
 
 def test_user_turn_keeps_only_the_paths_of_accepted_images(png):
     # The history lives in the session state for an hour after the tab closes: paths only, never decoded pixels.
-    [turn] = app.user_turn({"text": " hello ", "files": [png, png]}, LIMITS)
+    [turn] = user_turn({"text": " hello ", "files": [png, png]}, LIMITS)
     assert turn == {"role": "user", "text": "hello", "images": [png, png], "accepted": True}
 
 
@@ -129,16 +149,16 @@ def test_user_turn_keeps_only_the_paths_of_accepted_images(png):
 )
 def test_user_turn_refuses_bad_input_with_a_notice(message, expected, png, corrupt_png):
     message["files"] = [{"PNG": png, "CORRUPT": corrupt_png}[name] for name in message["files"]]
-    turn, shown_notice = app.user_turn(message, LIMITS)
+    turn, shown_notice = user_turn(message, LIMITS)
     assert turn["accepted"] is False
     assert shown_notice["role"] == "notice" and expected in shown_notice["text"]
-    assert not app.awaits_answer([turn, shown_notice])
+    assert not awaits_answer([turn, shown_notice])
 
 
 def test_prompt_beyond_the_context_is_refused():
-    app.check_context(prompt_tokens=900, max_new_tokens=124, context_length=1024)
-    with pytest.raises(app.InputError, match="1000 tokens long; with up to 25 new tokens it would not fit .* 1024"):
-        app.check_context(prompt_tokens=1000, max_new_tokens=25, context_length=1024)
+    check_context(prompt_tokens=900, max_new_tokens=124, context_length=1024)
+    with pytest.raises(InputError, match="1000 tokens long; with up to 25 new tokens it would not fit .* 1024"):
+        check_context(prompt_tokens=1000, max_new_tokens=25, context_length=1024)
 
 
 # --- the engine: images checked from their sizes, decoded once per conversation ---------------------------------------
@@ -149,8 +169,8 @@ def engine(tmp_path_factory):
     """The tiny demo model (1024-token context; at most 256 patches, i.e. 64 tokens, per image) on the CPU."""
     if not SANITIZING_SUPPORTED:
         pytest.skip("the demo needs transformers' sanitize_control_tokens (5.24), which this transformers lacks")
-    folder = app.ensure_tiny_checkpoint(tmp_path_factory.mktemp("engine"))
-    return app.ChatEngine(app.Checkpoint(folder, "tiny demo model", "tiny"), "cpu", torch.float32, LIMITS)
+    folder = ensure_tiny_checkpoint(tmp_path_factory.mktemp("engine"))
+    return ChatEngine(Checkpoint(folder, "tiny demo model", "tiny"), "cpu", torch.float32, LIMITS)
 
 
 @pytest.fixture
@@ -162,8 +182,7 @@ def decodes(monkeypatch):
         decoded.append(path)
         return load_image(path, limits)
 
-    load_image = app.load_image
-    monkeypatch.setattr(app, "load_image", counting_load_image)
+    monkeypatch.setattr("kimi_vl_demo.engine.load_image", counting_load_image)
     return decoded
 
 
@@ -184,7 +203,7 @@ def test_a_conversation_whose_images_overflow_the_context_is_refused_before_any_
     # 16 images of 64 tokens each fill the 1024-token context before the text and the answer: a refusal that the
     # images' headers alone decide.
     history = [user("first", *large_pngs(tmp_path, "a", 8)), answer("ok"), user("more", *large_pngs(tmp_path, "b", 8))]
-    with pytest.raises(app.InputError, match=r"would not fit the model's context of 1024 tokens"):
+    with pytest.raises(InputError, match=r"would not fit the model's context of 1024 tokens"):
         engine.prepare(history, 24, {})
     assert decodes == []
 
@@ -207,7 +226,7 @@ def test_each_image_is_decoded_once_per_conversation(engine, decodes, tmp_path):
     assert int((prepared.inputs["input_ids"] == engine.image_placeholder_id).sum()) == 6 * 64
 
     # Regenerating the first answer drops the later turns; their images leave the conversation's memory.
-    engine.prepare(app.history_for_regenerate(history[:1]), 8, prepared_images)
+    engine.prepare(history_for_regenerate(history[:1]), 8, prepared_images)
     assert sorted(prepared_images) == sorted(first) and len(decodes) == 6
 
 
@@ -219,7 +238,7 @@ def test_the_images_of_a_conversation_are_bounded_by_its_budget(engine, decodes,
     engine.prepare(history, 8, prepared_images)
     history += [answer("A"), user("a third does not", *large_pngs(tmp_path, "b", 1))]
     refusal = r"The 3 images of this conversation would take 1\.7 MB .* at most 1\.5 MB"
-    with pytest.raises(app.InputError, match=refusal):
+    with pytest.raises(InputError, match=refusal):
         engine.prepare(history, 8, prepared_images)
     assert len(decodes) == 2 and len(prepared_images) == 2  # refused from the sizes: the third was never decoded
 
@@ -262,38 +281,38 @@ def test_model_conversation_skips_refused_turns_and_earlier_reasoning():
         user("what is this?", "a.png", "b.png"),
         answer("◁think▷It looks red.◁/think▷A red square."),
         user("bad", "broken.png", accepted=False),
-        app.notice("`broken.png` could not be read as an image"),
+        notice("`broken.png` could not be read as an image"),
         user("", "c.png"),
     ]
-    messages, images = app.model_conversation(history)
+    messages, images = model_conversation(history)
     assert messages == [
         {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what is this?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
         {"role": "user", "content": [{"type": "image"}]},
     ]
     assert images == ["a.png", "b.png", "c.png"]
-    assert app.awaits_answer(history)
+    assert awaits_answer(history)
 
 
 def test_thinking_is_a_collapsible_block_open_while_it_streams():
-    thinking_only = app.assistant_messages(answer("◁think▷Let me look", status="streaming"))
+    thinking_only = assistant_messages(answer("◁think▷Let me look", status="streaming"))
     assert thinking_only[0] == {
         "role": "assistant",
         "content": "Let me look",
         "metadata": {"title": "Thinking", "status": "pending"},
     }
-    finished = app.assistant_messages(answer("◁think▷Let me look.◁/think▷It is red.", status="done"))
+    finished = assistant_messages(answer("◁think▷Let me look.◁/think▷It is red.", status="done"))
     assert finished[0]["metadata"] == {"title": "Thinking", "status": "done"}
     assert finished[1] == {"role": "assistant", "content": "It is red."}
-    stopped = app.assistant_messages(answer("It is", status="stopped"))
+    stopped = assistant_messages(answer("It is", status="stopped"))
     assert stopped == [{"role": "assistant", "content": "It is *(stopped)*"}]
-    cut = app.assistant_messages(answer("It is", status="length"))
+    cut = assistant_messages(answer("It is", status="length"))
     assert cut == [{"role": "assistant", "content": "It is *(cut at the max new tokens setting)*"}]
 
 
 def test_chatbot_shows_accepted_images_and_names_refused_files():
-    history = [user("hi", "/tmp/x/a.png"), user("bad", "/tmp/y/broken.png", accepted=False), app.notice("nope")]
-    assert app.chatbot_messages(history) == [
+    history = [user("hi", "/tmp/x/a.png"), user("bad", "/tmp/y/broken.png", accepted=False), notice("nope")]
+    assert chatbot_messages(history) == [
         {"role": "user", "content": {"path": "/tmp/x/a.png"}},
         {"role": "user", "content": "hi"},
         {"role": "user", "content": "bad\n\n(attached: `broken.png`)"},
@@ -303,18 +322,18 @@ def test_chatbot_shows_accepted_images_and_names_refused_files():
 
 def test_regenerate_goes_back_to_the_last_accepted_question():
     question, refused = user("q"), user("bad", "x", accepted=False)
-    assert app.history_for_regenerate([question, answer("a"), refused, app.notice("n")]) == [question]
-    nothing = app.history_for_regenerate([refused])
-    assert nothing[-1] == app.notice("There is no question to answer again yet.")
+    assert history_for_regenerate([question, answer("a"), refused, notice("n")]) == [question]
+    nothing = history_for_regenerate([refused])
+    assert nothing[-1] == notice("There is no question to answer again yet.")
 
 
 def test_stats_report_image_grids_and_speed():
-    monitor = app.GenerationMonitor(threading.Event())
+    monitor = GenerationMonitor(threading.Event())
     ids = torch.zeros(1, 5, dtype=torch.long)
     for _ in range(11):
         assert monitor(ids, None).tolist() == [False]
     monitor.started_at, monitor.first_token_at, monitor.last_token_at = 10.0, 10.5, 12.5
-    title, body = app.format_stats([app.ImageInfo("cat.png", 84, 168, 12, 6, 18)], 40, 1024, monitor)
+    title, body = format_stats([ImageInfo("cat.png", 84, 168, 12, 6, 18)], 40, 1024, monitor)
     assert title == "Stats: 11 tokens, 5.0 tokens/s; image 12×6 → 18 tokens"
     assert "- image `cat.png`: 84×168 px → 12×6 patches → 18 tokens" in body
     assert "- prompt: 40 tokens (context 1024)" in body
@@ -325,21 +344,21 @@ def test_stats_report_image_grids_and_speed():
 
 def test_answer_status_is_decided_by_the_last_token():
     end_of_turn = 7
-    monitor = app.GenerationMonitor(threading.Event())
+    monitor = GenerationMonitor(threading.Event())
     monitor(torch.tensor([[1, 2, 3]]), None)
-    assert app.answer_status(monitor, end_of_turn) == "length"  # ended without the end-of-turn token
+    assert answer_status(monitor, end_of_turn) == "length"  # ended without the end-of-turn token
     monitor(torch.tensor([[1, 2, 3, end_of_turn]]), None)
-    assert app.answer_status(monitor, end_of_turn) == "done"  # even when it was the last token allowed
+    assert answer_status(monitor, end_of_turn) == "done"  # even when it was the last token allowed
     monitor.stop_requested.set()
-    assert app.answer_status(monitor, end_of_turn) == "done"  # finished before the Stop took effect
+    assert answer_status(monitor, end_of_turn) == "done"  # finished before the Stop took effect
     monitor(torch.tensor([[1, 2, 3, end_of_turn, 4]]), None)
-    assert app.answer_status(monitor, end_of_turn) == "stopped"
+    assert answer_status(monitor, end_of_turn) == "stopped"
 
 
 def test_model_kind_and_default_settings():
-    assert app.model_kind("moonshotai/Kimi-VL-A3B-Thinking-2506") == "thinking"
-    assert app.model_kind("moonshotai/Kimi-VL-A3B-Instruct") == "instruct"
-    thinking, instruct = app.DEFAULT_SETTINGS["thinking"], app.DEFAULT_SETTINGS["instruct"]
+    assert model_kind("moonshotai/Kimi-VL-A3B-Thinking-2506") == "thinking"
+    assert model_kind("moonshotai/Kimi-VL-A3B-Instruct") == "instruct"
+    thinking, instruct = DEFAULT_SETTINGS["thinking"], DEFAULT_SETTINGS["instruct"]
     assert thinking.max_new_tokens > instruct.max_new_tokens
 
 
@@ -347,13 +366,13 @@ def test_model_kind_and_default_settings():
 
 
 def test_tiny_checkpoint_is_built_once_atomically_and_deterministically(tmp_path):
-    first = app.ensure_tiny_checkpoint(tmp_path / "one")
+    first = ensure_tiny_checkpoint(tmp_path / "one")
     modified = (first / "model.safetensors").stat().st_mtime_ns
-    assert app.ensure_tiny_checkpoint(tmp_path / "one") == first
+    assert ensure_tiny_checkpoint(tmp_path / "one") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == modified  # reused, not rebuilt
     assert [path.name for path in (tmp_path / "one").iterdir()] == [first.name]  # no scratch folder left behind
 
-    second = app.ensure_tiny_checkpoint(tmp_path / "two")
+    second = ensure_tiny_checkpoint(tmp_path / "two")
     weights_one, weights_two = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
     assert all(torch.equal(weights_one[name], weights_two[name]) for name in weights_one)
@@ -363,13 +382,13 @@ def test_offline_default_model_falls_back_to_the_tiny_one_and_says_why(tmp_path,
     # huggingface_hub reads these at import; patch its constants so that no test ever downloads the real model.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    checkpoint = app.resolve_checkpoint(app.DEFAULT_MODEL, tmp_path / "cache")
+    checkpoint = resolve_checkpoint(DEFAULT_MODEL, tmp_path / "cache")
     assert checkpoint.kind == "tiny"
-    assert checkpoint.path == tmp_path / "cache" / f"tiny-demo-v{app.TINY_DEMO_VERSION}"
+    assert checkpoint.path == tmp_path / "cache" / f"tiny-demo-v{TINY_DEMO_VERSION}"
     assert "is not in the local hub cache and the hub cannot be reached" in checkpoint.notice
-    assert checkpoint.notice in app.banner_markdown(checkpoint)
+    assert checkpoint.notice in banner_markdown(checkpoint)
     with pytest.raises(SystemExit, match="Cannot load 'someone/not-cached'"):
-        app.resolve_checkpoint("someone/not-cached", tmp_path / "cache")
+        resolve_checkpoint("someone/not-cached", tmp_path / "cache")
 
 
 # --- the running app, through its API --------------------------------------------------------------------------------

@@ -250,9 +250,9 @@ def test_merged_model_is_in_the_original_layout_and_equals_the_adapter(lora_run,
 
 
 def test_demo_loads_an_adapter_folder_merged(lora_run):
-    import app
+    from kimi_vl_demo.checkpoints import load_model
 
-    model = app.load_model(lora_run.output, torch.float32, "cpu")
+    model = load_model(lora_run.output, torch.float32, "cpu")
     assert isinstance(model, KimiVLForConditionalGeneration)
     merged = KimiVLForConditionalGeneration.from_pretrained(lora_run.output / finetune.MERGED_FOLDER)
     torch.testing.assert_close(logits_of(model, lora_run.batch), logits_of(merged, lora_run.batch), rtol=0, atol=1e-6)

@@ -332,19 +332,22 @@ def test_tensor_parallel_loading_is_refused(reference_checkpoint):
 
 
 def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
-    import app
+    from app import parse_args
+    from kimi_vl_demo.checkpoints import resolve_checkpoint
+    from kimi_vl_demo.engine import ChatEngine
+    from kimi_vl_demo.inputs import InputLimits
 
-    args = app.parse_args(["--model", "tiny", "--quantize", "int8", "--cache-dir", str(tmp_path)])
-    checkpoint = app.resolve_checkpoint(args.model, args.cache_dir)
-    limits = app.InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
-    engine = app.ChatEngine(checkpoint, "cpu", torch.float32, limits, quantize=args.quantize)
+    args = parse_args(["--model", "tiny", "--quantize", "int8", "--cache-dir", str(tmp_path)])
+    checkpoint = resolve_checkpoint(args.model, args.cache_dir)
+    limits = InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
+    engine = ChatEngine(checkpoint, "cpu", torch.float32, limits, quantize=args.quantize)
     assert isinstance(engine.model.language_model.model.layers[-1].mlp.experts, WeightOnlyExperts)
     assert engine.model.language_model.lm_head.weight.dtype == torch.int8
     inputs = engine.processor(text="Hello there", return_tensors="pt")
     output = engine.model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=engine.pad_token_id)
     assert output.shape[1] == inputs["input_ids"].shape[1] + 4
     with pytest.raises(SystemExit):
-        app.parse_args(["--quantize", "int2"])
+        parse_args(["--quantize", "int2"])
 
 
 @pytest.mark.skipif(SUPPORTED, reason=f"transformers>={MIN_TRANSFORMERS_VERSION} supports quantization")

@@ -15,11 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-import app
 import image_processing  # noqa: F401 - registers the processor classes with the Auto API
 import modeling_kimi_vl  # noqa: F401 - registers the model classes with the Auto API
+from app import banner_markdown
 from hub_upload import export_checkpoint
 from hub_upload.source import ExportInputError, read_source
+from kimi_vl_demo.checkpoints import TINY_MODEL, resolve_checkpoint
 from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -185,17 +186,17 @@ def test_missing_image_processor_settings_are_named(tiny_kimi_vl_dir, tmp_path):
 def test_demo_tiny_mode_serves_this_folder(tiny_kimi_vl_dir, tmp_path):
     """`python app.py --model tiny` serves this folder (the demo tests in test_app.py run it), and `--model DIR` on it
     gets the tiny model's settings and banner, not the real model's (whose 1024 new tokens would not fit)."""
-    checkpoint = app.resolve_checkpoint(app.TINY_MODEL, tmp_path)
+    checkpoint = resolve_checkpoint(TINY_MODEL, tmp_path)
     assert checkpoint.kind == "tiny"
     assert file_bytes(checkpoint.path) == file_bytes(tiny_kimi_vl_dir)
 
-    by_path = app.resolve_checkpoint(str(tiny_kimi_vl_dir), tmp_path)
+    by_path = resolve_checkpoint(str(tiny_kimi_vl_dir), tmp_path)
     assert (by_path.path, by_path.kind) == (tiny_kimi_vl_dir, "tiny")
-    assert "random" in app.banner_markdown(by_path)
+    assert "random" in banner_markdown(by_path)
 
     real_size = tmp_path / "Kimi-VL-A3B-Instruct"
     real_size.mkdir()
     config = json.loads((tiny_kimi_vl_dir / "config.json").read_text())
     config["text_config"].update(hidden_size=2048, vocab_size=163840)
     (real_size / "config.json").write_text(json.dumps(config))
-    assert app.resolve_checkpoint(str(real_size), tmp_path).kind == "instruct"
+    assert resolve_checkpoint(str(real_size), tmp_path).kind == "instruct"
