@@ -124,10 +124,8 @@ class KimiVLProcessor(ProcessorMixin):
         if _is_per_prompt(images) and not any(images):  # one empty list per prompt (`[[], []]`): no images
             return {}, []
         image_inputs = self.image_processor(images, **kwargs)
-        replacements = [
-            self.replace_image_token(image_inputs, image_idx) for image_idx in range(len(image_inputs["image_grid_hws"]))
-        ]
-        return image_inputs, replacements
+        image_count = len(image_inputs["image_grid_hws"])
+        return image_inputs, [self.replace_image_token(image_inputs, image_idx) for image_idx in range(image_count)]
 
     def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
         """The text that stands for image `image_idx`: one placeholder per merge window of its patch grid."""

@@ -271,7 +271,9 @@ def test_input_data_format_reaches_the_image_processor(processor):
 def test_mm_token_type_ids_mark_the_image_tokens_when_asked(processor):
     texts = [f"two {IMAGE}{IMAGE}", f"one {IMAGE} and <|im_end|>"]
     images = [Image.new("RGB", (56, 28)), Image.new("RGB", (28, 56)), Image.new("RGB", (56, 56))]
-    inputs = processor(text=texts, images=images, padding_side="left", return_mm_token_type_ids=True, return_tensors="pt")
+    inputs = processor(
+        text=texts, images=images, padding_side="left", return_mm_token_type_ids=True, return_tensors="pt"
+    )
     assert inputs["mm_token_type_ids"].shape == inputs["input_ids"].shape
     assert torch.equal(inputs["mm_token_type_ids"], (inputs["input_ids"] == processor.image_token_id).long())
     assert inputs["mm_token_type_ids"].sum() == 2 + 2 + 4  # 2x4, 4x2 and 4x4 patch grids
@@ -289,14 +291,14 @@ def test_expand_image_token_ids_matches_the_text_expansion(processor):
     assert ids.count(processor.image_token_id) == 2
     assert processor.expand_image_token_ids(ids, expanded["image_grid_hws"].tolist()) == expanded["input_ids"][0]
     assert processor.expand_image_token_ids(ids[:3], []) == ids[:3]
-    with pytest.raises(ValueError, match=r"The ids have 2 <\|media_pad\|> placeholder\(s\) \(id 300\) but 1 image grid"):
+    with pytest.raises(ValueError, match=r"The ids have 2 <\|media_pad\|> placeholder\(s\) \(id 300\) but 1 image"):
         processor.expand_image_token_ids(ids, [[2, 4]])
     with pytest.raises(ValueError, match="3x4 patch grid, not divisible by the 2x2 merge kernel"):
         processor.expand_image_token_ids(ids, [[3, 4], [2, 2]])
 
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-def test_generate_takes_the_processor_output_with_mm_token_type_ids(tiny_kimi_vl_dir, reference_dir, cache_implementation):
+def test_generate_takes_processor_output_with_mm_token_type_ids(tiny_kimi_vl_dir, reference_dir, cache_implementation):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_kimi_vl_dir).eval()
