@@ -295,13 +295,13 @@ def as_pil_images(images, channel_format: ChannelDimension | None = None) -> lis
 
     `channel_format` is the layout of numpy and torch inputs (None: read from each one's shape).
     """
-    flat = _flatten(images)
+    flat = flatten_images(images)
     if not flat:
         raise ValueError("No images were given: expected an image or a non-empty list of images.")
     return [_as_pil_image(image, index, len(flat), channel_format) for index, image in enumerate(flat)]
 
 
-def _flatten(images) -> list:
+def flatten_images(images) -> list:
     """A single image, a list of images, or a list of lists of images (one list per prompt), in order."""
     if not isinstance(images, (list, tuple)):
         return [images]

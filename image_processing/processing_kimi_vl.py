@@ -1,27 +1,16 @@
 """Processor of Kimi-VL: chat template, image placeholder expansion, batching; and the Thinking-output splitter."""
 
 import inspect
-import re
 from pathlib import Path
 from typing import NamedTuple
 
-from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
-from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs
+from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs, flatten_images
 from .tokenization_kimi_vl import KimiVLTokenizer, refuse_unsupported_sanitizing
 
 
-try:  # transformers with sanitize_control_tokens (5.24): a placeholder not marked as typed by a user
-    from transformers.processing_utils import _UNMARKED
-except ImportError:  # 5.17, 5.18: no marking, and sanitizing is refused (see refuse_unsupported_sanitizing)
-    _UNMARKED = ""
-
 IMAGE_PLACEHOLDER = "<|media_pad|>"
-# Every placeholder in a prompt; with sanitize_control_tokens, only the ones the chat template wrote (the ones in
-# message text are marked by transformers' `apply_chat_template`, and encode as plain text).
-PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER))
-TEMPLATE_PLACEHOLDER_RE = re.compile(_UNMARKED + re.escape(IMAGE_PLACEHOLDER))
 THINK_OPEN = "◁think▷"
 THINK_CLOSE = "◁/think▷"
 
@@ -47,7 +36,10 @@ class KimiVLProcessor(ProcessorMixin):
 
     `processor(text=..., images=...)` replaces the i-th `<|media_pad|>` in the text(s) by rows * cols /
     (merge rows * merge cols) copies for the i-th image, tokenizes (padding a batch; `padding_side="left"` for
-    generation) and returns `input_ids`, `attention_mask`, `pixel_values` and `image_grid_hws`.
+    generation) and returns `input_ids`, `attention_mask`, `pixel_values` and `image_grid_hws`; with
+    `return_mm_token_type_ids=True` also `mm_token_type_ids` (1 at image tokens, 0 elsewhere), which the model
+    accepts and does not need. The expansion is transformers' (`image_token` and the `replace_image_token` hook);
+    `expand_image_token_ids` does the same on token ids that are already encoded.
 
     `images` is one image, a flat list (matched to the placeholders in order, across prompts), or one list per
     prompt (each prompt must then have exactly as many placeholders as its list has images).
@@ -72,6 +64,9 @@ class KimiVLProcessor(ProcessorMixin):
                 "the single id that image features replace. Use the model's own tokenizer (KimiVLTokenizer)."
             )
         super().__init__(image_processor, tokenizer, chat_template=chat_template or _packaged_chat_template())
+        # transformers' placeholder machinery: `__call__` expands each `image_token` in the text by the hook
+        # `replace_image_token`, checks the ids with `_check_special_mm_tokens` and marks `image_token_id` in
+        # `mm_token_type_ids`; with sanitize_control_tokens (5.24), placeholders typed in messages are left as text.
         self.image_token = IMAGE_PLACEHOLDER
         self.image_token_id = image_token_id
 
@@ -92,37 +87,49 @@ class KimiVLProcessor(ProcessorMixin):
         refuse_unsupported_sanitizing(kwargs)
         return super().apply_chat_template(conversation, *args, **kwargs)
 
-    def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
+    def prepare_inputs_layout(self, images=None, text=None, videos=None, audio=None, **kwargs):
+        # transformers' version also opens image paths and URLs with its `load_image`; KimiVLImageProcessor opens
+        # files itself (16-bit and EXIF aware, with errors that name the image), so images are passed on as given.
+        if isinstance(text, str):
+            text = [text]
+        elif isinstance(text, (list, tuple)):
+            text = list(text)
+        return images, text, videos, audio
+
+    def validate_inputs(self, images=None, text=None, videos=None, audio=None, **kwargs):
+        """Each image has one placeholder (in its own prompt when images come one list per prompt).
+
+        `text` is the prompts as `__call__` expands them: on transformers 5.24, without the placeholders that
+        sanitize_control_tokens marked as typed by a user (those stay text); transformers 5.17 has no marking, and
+        sanitizing is refused.
+        """
         refuse_unsupported_sanitizing(kwargs)
-        texts = _as_text_list(text)
-        output_kwargs = self._merge_kwargs(
-            KimiVLProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs
-        )
-        sanitized = output_kwargs["text_kwargs"].get("sanitize_control_tokens", False)
-        placeholder_re = TEMPLATE_PLACEHOLDER_RE if sanitized else PLACEHOLDER_RE
-        placeholder_counts = [len(placeholder_re.findall(sample)) for sample in texts]
+        if not (isinstance(text, list) and text and all(isinstance(sample, str) for sample in text)):
+            raise ValueError(
+                f"`text` must be a string or a non-empty list of strings, got {type(text).__name__}: {text!r:.80}"
+            )
+        placeholder_counts = [sample.count(IMAGE_PLACEHOLDER) for sample in text]
         if _is_per_prompt(images):
             _check_images_per_prompt(placeholder_counts, images)
-            if sum(placeholder_counts) == 0:  # matched per prompt, so no prompt has images (e.g. `[[], []]`)
-                images = None
-        placeholder_count = sum(placeholder_counts)
-        image_inputs = {}
-        if images is not None:
-            image_inputs = dict(self.image_processor(images, **output_kwargs["images_kwargs"]))
-        image_count = 0 if images is None else len(image_inputs["image_grid_hws"])
-        if placeholder_count != image_count:
+        image_count = 0 if images is None else len(flatten_images(images))
+        if sum(placeholder_counts) != image_count:
             raise ValueError(
-                f"The text has {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} image(s) "
-                "were given; each image needs exactly one placeholder (the chat template writes them)."
+                f"The text has {sum(placeholder_counts)} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} "
+                "image(s) were given; each image needs exactly one placeholder (the chat template writes them)."
             )
-        if image_count:
-            texts = self._expand_placeholders(texts, image_inputs["image_grid_hws"].tolist(), placeholder_re)
-        text_inputs = self.tokenizer(texts, **output_kwargs["text_kwargs"])
-        # transformers' check that every placeholder became one image-token id (not so when truncated, or when the
-        # tokenizer encodes special tokens as text).
-        self._check_special_mm_tokens(texts, text_inputs, modalities=["image"])
-        return_tensors = output_kwargs["text_kwargs"].get("return_tensors")
-        return BatchFeature(data={**text_inputs, **image_inputs}, tensor_type=return_tensors)
+
+    def _process_images(self, images, **kwargs):
+        # One replacement per image the image processor made (its own flattening of the inputs, which takes HxW
+        # arrays and mixed nesting where transformers' `make_flat_list_of_images` does not).
+        if _is_per_prompt(images) and not any(images):  # one empty list per prompt (`[[], []]`): no images
+            return {}, []
+        image_inputs = self.image_processor(images, **kwargs)
+        image_count = len(image_inputs["image_grid_hws"])
+        return image_inputs, [self.replace_image_token(image_inputs, image_idx) for image_idx in range(image_count)]
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        """The text that stands for image `image_idx`: one placeholder per merge window of its patch grid."""
+        return IMAGE_PLACEHOLDER * self.tokens_per_image(image_inputs["image_grid_hws"][image_idx].tolist())
 
     def tokens_per_image(self, grid_hw: list[int]) -> int:
         """Placeholder tokens for an image with this (rows, cols) patch grid: one per merge window."""
@@ -135,18 +142,27 @@ class KimiVLProcessor(ProcessorMixin):
             )
         return (rows // merge_rows) * (columns // merge_columns)
 
-    def _expand_placeholders(self, texts: list[str], grids: list[list[int]], placeholder_re: re.Pattern) -> list[str]:
+    def expand_image_token_ids(self, input_ids: list[int], image_grid_hws) -> list[int]:
+        """`input_ids` (one prompt, already encoded, e.g. by `apply_chat_template(..., sanitize_control_tokens=True,
+        tokenize=True)`) with the i-th image token repeated `tokens_per_image` times for the i-th (rows, cols) grid
+        of `image_grid_hws`: what `__call__` does to placeholders in text, for prompts kept as ids."""
+        grids = [list(grid) for grid in image_grid_hws]
+        placeholder_count = list(input_ids).count(self.image_token_id)
+        if placeholder_count != len(grids):
+            raise ValueError(
+                f"The ids have {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) (id {self.image_token_id}) "
+                f"but {len(grids)} image grid(s) were given; each image needs exactly one placeholder."
+            )
         counts = iter(self.tokens_per_image(grid) for grid in grids)
         expanded = []
-        for sample in texts:
-            pieces = placeholder_re.split(sample)
-            # Between every two pieces there was one placeholder; it becomes that image's run of placeholders.
-            runs = [IMAGE_PLACEHOLDER * next(counts) for _ in pieces[1:]]
-            expanded.append("".join(piece + run for piece, run in zip(pieces, [*runs, ""])))
+        for token_id in input_ids:
+            expanded.extend([token_id] * next(counts) if token_id == self.image_token_id else [token_id])
         return expanded
 
     @property
     def model_input_names(self) -> list[str]:
+        # input_ids first (Trainer and padding utilities read the first name as the main input); the default would
+        # list the image processor's names first.
         return ["input_ids", "attention_mask", "pixel_values", "image_grid_hws"]
 
 
@@ -169,14 +185,6 @@ def _check_images_per_prompt(placeholder_counts: list[int], images: list) -> Non
                 f"Prompt {index} has {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} "
                 "image(s) were given for it; each image needs exactly one placeholder in its own prompt."
             )
-
-
-def _as_text_list(text) -> list[str]:
-    if isinstance(text, str):
-        return [text]
-    if isinstance(text, (list, tuple)) and text and all(isinstance(sample, str) for sample in text):
-        return list(text)
-    raise ValueError(f"`text` must be a string or a non-empty list of strings, got {type(text).__name__}: {text!r:.80}")
 
 
 class ThinkingSplit(NamedTuple):

@@ -515,6 +515,7 @@ class KimiVLStaticGenerationMixin:
         image_grid_hws = model_kwargs.pop("image_grid_hws", None)
         attention_mask = model_kwargs.pop("attention_mask", None)
         position_ids = model_kwargs.pop("position_ids", None)
+        model_kwargs.pop("mm_token_type_ids", None)  # the processor's image-token marks: unused, as in `forward`
         # `generate` also prepared a transformers StaticCache (allocated lazily, so still empty): the workspace keeps
         # its own, whose address the graphs hold across calls.
         for prepared in (CACHE_ARGUMENT, "use_cache", "logits_to_keep"):

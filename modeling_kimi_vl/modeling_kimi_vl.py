@@ -741,6 +741,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         image_grid_hws: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        mm_token_type_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
@@ -750,6 +751,10 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             Patch rows and columns of each image. Ignored when there are no `pixel_values` (decode steps).
         labels (`torch.LongTensor` of shape `[batch, seq]`):
             Next-token targets aligned with `input_ids` (shifted inside the loss); `-100` is ignored.
+        mm_token_type_ids (`torch.LongTensor` of shape `[batch, seq]`):
+            What the processor returns with `return_mm_token_type_ids=True` (1 at image tokens). Accepted so that
+            processor outputs go to `forward` and `generate` unchanged, and unused: positions are 1-D and image
+            tokens attend causally, like text.
         past_key_values (`Cache`):
             The language model's cache (transformers >= 5.24 also accepts it under its new name, `cache`).
         """

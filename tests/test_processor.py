@@ -266,3 +266,51 @@ def test_input_data_format_reaches_the_image_processor(processor):
         processor(text=IMAGE, images=hwc)
     inputs = processor(text=IMAGE, images=hwc, input_data_format="channels_last")
     assert inputs["image_grid_hws"].tolist() == [[2, 4]]  # 4 x 56 pixels, padded to 28 x 56
+
+
+def test_mm_token_type_ids_mark_the_image_tokens_when_asked(processor):
+    texts = [f"two {IMAGE}{IMAGE}", f"one {IMAGE} and <|im_end|>"]
+    images = [Image.new("RGB", (56, 28)), Image.new("RGB", (28, 56)), Image.new("RGB", (56, 56))]
+    inputs = processor(
+        text=texts, images=images, padding_side="left", return_mm_token_type_ids=True, return_tensors="pt"
+    )
+    assert inputs["mm_token_type_ids"].shape == inputs["input_ids"].shape
+    assert torch.equal(inputs["mm_token_type_ids"], (inputs["input_ids"] == processor.image_token_id).long())
+    assert inputs["mm_token_type_ids"].sum() == 2 + 2 + 4  # 2x4, 4x2 and 4x4 patch grids
+    # Otherwise the outputs are the same as without it.
+    plain = processor(text=texts, images=images, padding_side="left", return_tensors="pt")
+    assert plain.keys() == inputs.keys() - {"mm_token_type_ids"}
+    assert all(torch.equal(plain[name], inputs[name]) for name in plain)
+
+
+def test_expand_image_token_ids_matches_the_text_expansion(processor):
+    images = [Image.new("RGB", (56, 28)), Image.new("RGB", (56, 56))]
+    text = f"a<|im_end|>{IMAGE} b {IMAGE}"
+    expanded = processor(text=text, images=images)
+    ids = processor.tokenizer(text)["input_ids"]
+    assert ids.count(processor.image_token_id) == 2
+    assert processor.expand_image_token_ids(ids, expanded["image_grid_hws"].tolist()) == expanded["input_ids"][0]
+    assert processor.expand_image_token_ids(ids[:3], []) == ids[:3]
+    with pytest.raises(ValueError, match=r"The ids have 2 <\|media_pad\|> placeholder\(s\) \(id 300\) but 1 image"):
+        processor.expand_image_token_ids(ids, [[2, 4]])
+    with pytest.raises(ValueError, match="3x4 patch grid, not divisible by the 2x2 merge kernel"):
+        processor.expand_image_token_ids(ids, [[3, 4], [2, 2]])
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_generate_takes_processor_output_with_mm_token_type_ids(tiny_kimi_vl_dir, reference_dir, cache_implementation):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_kimi_vl_dir).eval()
+    processor = AutoProcessor.from_pretrained(tiny_kimi_vl_dir)
+    image = Image.open(reference_dir / "images" / "rgb_84x168.png")
+    texts = [f"<|im_user|>user<|im_middle|>{IMAGE}What?<|im_end|><|im_assistant|>assistant<|im_middle|>", "Hi"]
+    plain = processor(text=texts, images=[image], padding_side="left", return_tensors="pt")
+    marked = processor(
+        text=texts, images=[image], padding_side="left", return_tensors="pt", return_mm_token_type_ids=True
+    )
+    assert "mm_token_type_ids" in marked
+    settings = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": cache_implementation}
+    assert torch.equal(model.generate(**marked, **settings), model.generate(**plain, **settings))
+    with torch.no_grad():
+        assert torch.equal(model(**marked).logits, model(**plain).logits)
