@@ -46,16 +46,6 @@ DEFAULT_SETTINGS = {
 }
 
 
-def expand_image_placeholders(text_ids: list[int], placeholder_id: int, image_tokens: list[int]) -> list[int]:
-    """The prompt's token ids with each image's one placeholder repeated to that image's token count, in image order
-    (what the processor does to `<|media_pad|>` in text, here on ids that are already sanitised)."""
-    counts = iter(image_tokens)
-    expanded = []
-    for token_id in text_ids:
-        expanded.extend([token_id] * next(counts) if token_id == placeholder_id else [token_id])
-    return expanded
-
-
 @dataclass
 class PreparedPrompt:
     """A conversation as model inputs (tensors on the model's device), ready for `ChatEngine.stream`."""
@@ -128,20 +118,15 @@ class ChatEngine:
         # columns, which leaves its token count as it is.
         image_processor = self.processor.image_processor
         grids = [image_processor.get_image_grid_hw(height, width) for width, height in sizes]
-        image_tokens = [self.processor.tokens_per_image(grid) for grid in grids]
         # What users type is data, never chat structure: control tokens in it are encoded as plain text, so that only
         # the template's own markers end turns or stand for images.
         text_ids = self.processor.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
         )
-        if text_ids.count(self.image_placeholder_id) != len(image_paths):  # the template writes one per image
-            raise RuntimeError(
-                f"the prompt has {text_ids.count(self.image_placeholder_id)} image placeholders for "
-                f"{len(image_paths)} images"
-            )
-        # Each image's one placeholder in the text becomes its image tokens.
-        prompt_tokens = len(text_ids) - len(image_paths) + sum(image_tokens)
-        check_context(prompt_tokens, max_new_tokens, self.context_length)
+        # The template writes one placeholder per image; each becomes that image's tokens. These are the prompt's final
+        # ids: decoding may turn a grid by EXIF orientation, which leaves its token count as it is.
+        input_ids = self.processor.expand_image_token_ids(text_ids, grids)
+        check_context(len(input_ids), max_new_tokens, self.context_length)
         self.check_image_budget(grids)
 
         for path in image_paths:
@@ -149,7 +134,6 @@ class ChatEngine:
                 prepared_images[path] = self.prepare_image(path)
         images = [prepared_images[path] for path in image_paths]
         image_tokens = [self.processor.tokens_per_image(image.grid_hw) for image in images]
-        input_ids = expand_image_placeholders(text_ids, self.image_placeholder_id, image_tokens)
         inputs = {"input_ids": [input_ids], "attention_mask": [[1] * len(input_ids)]}
         if images:
             inputs["pixel_values"] = torch.cat([image.pixel_values for image in images])
