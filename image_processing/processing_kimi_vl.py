@@ -9,19 +9,14 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
 from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs
-from .tokenization_kimi_vl import KimiVLTokenizer, refuse_unsupported_sanitizing
-
-
-try:  # transformers with sanitize_control_tokens (5.24): a placeholder not marked as typed by a user
-    from transformers.processing_utils import _UNMARKED
-except ImportError:  # 5.17, 5.18: no marking, and sanitizing is refused (see refuse_unsupported_sanitizing)
-    _UNMARKED = ""
+from .tokenization_kimi_vl import KimiVLTokenizer
+from .transformers_compat_processing import UNMARKED_PREFIX, refuse_unsupported_sanitizing
 
 IMAGE_PLACEHOLDER = "<|media_pad|>"
 # Every placeholder in a prompt; with sanitize_control_tokens, only the ones the chat template wrote (the ones in
 # message text are marked by transformers' `apply_chat_template`, and encode as plain text).
 PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER))
-TEMPLATE_PLACEHOLDER_RE = re.compile(_UNMARKED + re.escape(IMAGE_PLACEHOLDER))
+TEMPLATE_PLACEHOLDER_RE = re.compile(UNMARKED_PREFIX + re.escape(IMAGE_PLACEHOLDER))
 THINK_OPEN = "◁think▷"
 THINK_CLOSE = "◁/think▷"
 
@@ -78,7 +73,7 @@ class KimiVLProcessor(ProcessorMixin):
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         # Load the concrete classes rather than going through the Auto API: remote-code copies need no registration,
-        # and transformers releases before 5.2x gate AutoImageProcessor behind torchvision, which we do not need.
+        # and transformers 5.17 gates AutoImageProcessor behind torchvision, which we do not need.
         # Image-processor settings given here override the saved ones and go to the image processor only; the
         # other kwargs (Hub access, tokenizer options) go to the tokenizer, and the Hub ones to the file lookup too.
         setting_overrides = {name: kwargs.pop(name) for name in IMAGE_PROCESSOR_SETTINGS if name in kwargs}
