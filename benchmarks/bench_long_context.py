@@ -105,7 +105,7 @@ def plain_stepper(model, latents, context: int):
     """One plain decode step per call: the language model on one token per row over a DynamicCache."""
     from transformers import DynamicCache
 
-    from modeling_kimi_vl.generation_kimi_vl import CACHE_ARGUMENT
+    from modeling_kimi_vl.transformers_compat_modeling import CACHE_ARGUMENT
 
     cache = DynamicCache(config=model.config.text_config)
     for layer_index, (latent, rope_key) in enumerate(latents):
@@ -151,11 +151,12 @@ def static_stepper(model, latents, context: int, num_slots: int):
 
 def capacity(variant: str, context: int, new_tokens: int, fixed_slots: int) -> int | None:
     from modeling_kimi_vl.generation_kimi_vl import CACHE_SLOT_GRANULE
+    from modeling_kimi_vl.static_steps_kimi_vl import round_up
 
     if variant == "static_fixed":
         return fixed_slots
     if variant == "static_auto":
-        return -(-(context + new_tokens) // CACHE_SLOT_GRANULE) * CACHE_SLOT_GRANULE
+        return round_up(context + new_tokens, CACHE_SLOT_GRANULE)
     return None
 
 
@@ -341,7 +342,7 @@ def crossover(args) -> None:
     """One attention layer, 4K cached tokens, queries of 1..512 tokens: expanded vs absorbed ms per call."""
     from transformers import DynamicCache
 
-    from modeling_kimi_vl.generation_kimi_vl import CACHE_ARGUMENT
+    from modeling_kimi_vl.transformers_compat_modeling import CACHE_ARGUMENT
 
     model = build_model("a3b_attention", "cpu", torch.float32)
     attention = model.language_model.model.layers[1].self_attn

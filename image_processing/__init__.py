@@ -6,14 +6,15 @@ config class of model_type "kimi_vl" when one can be found (see `register_auto_c
 
 import importlib
 
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .data_collator_kimi_vl import BadExample, KimiVLDataCollator, encode_chat, load_chat_jsonl
 from .image_processing_kimi_vl import KimiVLImageProcessor
 from .processing_kimi_vl import KimiVLProcessor, ThinkingSplit, split_thinking
 from .tiny_tokenizer import write_tiny_tokenizer
-from .tokenization_kimi_vl import SANITIZING_SUPPORTED, KimiVLTokenizer
+from .tokenization_kimi_vl import KimiVLTokenizer
+from .transformers_compat_processing import SANITIZING_SUPPORTED, register_auto_image_processor
 
 
 MODEL_TYPE = "kimi_vl"
@@ -36,12 +37,7 @@ def register_auto_classes(config_class=None) -> bool:
         return False
     AutoTokenizer.register(config_class, slow_tokenizer_class=KimiVLTokenizer, exist_ok=True)
     AutoProcessor.register(config_class, KimiVLProcessor, exist_ok=True)
-    try:
-        AutoImageProcessor.register(config_class, slow_image_processor_class=KimiVLImageProcessor, exist_ok=True)
-    except ImportError:
-        # transformers < 5.2x gates AutoImageProcessor behind torchvision, which this project does not install;
-        # KimiVLImageProcessor.from_pretrained and the processor work without it.
-        pass
+    register_auto_image_processor(config_class, KimiVLImageProcessor)
     return True
 
 

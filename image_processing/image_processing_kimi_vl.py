@@ -74,6 +74,8 @@ class _Geometry:
         return self.patch_size, self.patch_size
 
     def final_side(self, side: int, unit: int) -> int:
+        # Padding rounds up to a whole unit, cropping down. The package's only round-up, written out: the modeling
+        # package's `round_up` is not importable here (the two packages ship as separate sets of flat files).
         if self.pad_input:
             return -(-side // unit) * unit
         return side - side % unit

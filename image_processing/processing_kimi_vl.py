@@ -7,8 +7,8 @@ from typing import NamedTuple
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
 from .image_processing_kimi_vl import KimiVLImageProcessor, KimiVLImageProcessorKwargs, flatten_images
-from .tokenization_kimi_vl import KimiVLTokenizer, refuse_unsupported_sanitizing
-
+from .tokenization_kimi_vl import KimiVLTokenizer
+from .transformers_compat_processing import refuse_unsupported_sanitizing
 
 IMAGE_PLACEHOLDER = "<|media_pad|>"
 THINK_OPEN = "◁think▷"
@@ -73,7 +73,7 @@ class KimiVLProcessor(ProcessorMixin):
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         # Load the concrete classes rather than going through the Auto API: remote-code copies need no registration,
-        # and transformers releases before 5.2x gate AutoImageProcessor behind torchvision, which we do not need.
+        # and transformers 5.17 gates AutoImageProcessor behind torchvision, which we do not need.
         # Image-processor settings given here override the saved ones and go to the image processor only; the
         # other kwargs (Hub access, tokenizer options) go to the tokenizer, and the Hub ones to the file lookup too.
         setting_overrides = {name: kwargs.pop(name) for name in IMAGE_PROCESSOR_SETTINGS if name in kwargs}

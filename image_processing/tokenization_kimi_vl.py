@@ -11,35 +11,18 @@ in message text as plain text while the template's own stay special.
 """
 
 import base64
-import inspect
 import os
 import shutil
 
 import tiktoken
-import transformers
 from transformers import AddedToken, PreTrainedTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging
 
+from .transformers_compat_processing import refuse_unsupported_sanitizing
+
 
 logger = logging.get_logger(__name__)
-
-# `apply_chat_template(..., sanitize_control_tokens=True)` is transformers' own (5.24 has it, 5.17 and 5.18 do not).
-# Older releases would hand the flag to the template as an unused variable and return unsanitised ids, so
-# `refuse_unsupported_sanitizing` turns that into an error instead.
-SANITIZING_SUPPORTED = "sanitize_control_tokens" in inspect.signature(
-    PreTrainedTokenizer.apply_chat_template
-).parameters
-
-
-def refuse_unsupported_sanitizing(kwargs: dict) -> None:
-    """Raise if `sanitize_control_tokens=True` is asked of a transformers release that cannot honour it."""
-    if kwargs.get("sanitize_control_tokens") and not SANITIZING_SUPPORTED:
-        raise NotImplementedError(
-            f"sanitize_control_tokens=True needs transformers' control-token sanitising, which transformers "
-            f"{transformers.__version__} does not have (5.24 has it); upgrade transformers. Without it, control "
-            "tokens typed into messages would be encoded as control tokens."
-        )
 
 # Moonshot's pre-tokenisation pattern (`pat_str` of the released tokenization_moonshot.py): Han runs on their own,
 # cased words with English contractions, numbers in groups of up to three, punctuation runs, whitespace.
@@ -233,4 +216,4 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         return (target,)
 
 
-__all__ = ["KimiVLTokenizer", "PAT_STR", "SANITIZING_SUPPORTED"]
+__all__ = ["KimiVLTokenizer", "PAT_STR"]

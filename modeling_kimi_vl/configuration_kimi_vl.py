@@ -1,11 +1,14 @@
 """Configuration of Kimi-VL: a MoonViT vision tower, a patch-merging projector and a DeepSeek-V3 language model.
 
 Both classes read the published `config.json` files unchanged. Keys that other transformers versions added when they
-saved a config (`_attn_implementation_autoset`, `head_dim`, `qk_head_dim`, ...) are accepted and carried along.
+saved a config (`_attn_implementation_autoset`, `head_dim`, `qk_head_dim`, ...) are accepted and carried along (every
+5.x `PreTrainedConfig` keeps unknown keys; the shims for version differences are in transformers_compat_modeling.py).
 """
 
 from transformers import PreTrainedConfig
 from transformers.models.deepseek_v3 import DeepseekV3Config
+
+from .transformers_compat_modeling import build_sub_configs
 
 VISION_ENCODER_TP_MODES = ("weight", "data")
 
@@ -101,11 +104,7 @@ class KimiVLConfig(PreTrainedConfig):
     mm_encoder_tp_mode: str = "data"
 
     def __post_init__(self, **kwargs):
-        # Built here rather than through `sub_configs_defaults`, which only the newest 5.x releases have.
-        for key, config_class in self.sub_configs.items():
-            sub_config = getattr(self, key)
-            if not isinstance(sub_config, PreTrainedConfig):
-                setattr(self, key, config_class(**(sub_config or {})))
+        build_sub_configs(self)
         check_mm_encoder_tp_mode(self.mm_encoder_tp_mode)
         super().__post_init__(**kwargs)
 

@@ -32,8 +32,9 @@ from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
-from .generation_kimi_vl import CACHE_ARGUMENT, KimiVLStaticGenerationMixin
+from .generation_kimi_vl import KimiVLStaticGenerationMixin
 from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel, local_part
+from .transformers_compat_modeling import CACHE_ARGUMENT
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5

@@ -40,7 +40,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import transformers
-from packaging import version
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import ConversionOps
@@ -56,10 +55,9 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .transformers_compat_modeling import QUANTIZATION_MIN_TRANSFORMERS_VERSION, quantization_supported
+
 QUANT_METHOD = "kimi_vl_weight_only"
-# Earlier releases (5.17 was checked) cast every checkpoint tensor to its parameter's dtype before the quantize op
-# sees it, i.e. the float weights to int8; 5.23 and 5.24 pass them on in the model dtype.
-MIN_TRANSFORMERS_VERSION = "5.23"
 # Modules kept in the model dtype unless the config names its own list (see the module docstring for why).
 DEFAULT_MODULES_TO_NOT_CONVERT = ("vision_tower", "multi_modal_projector", "kv_b_proj")
 
@@ -379,9 +377,9 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
         return self.scheme.bits / 8
 
     def validate_environment(self, *args, **kwargs):
-        if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERSION):
+        if not quantization_supported():
             raise ImportError(
-                f"{QUANT_METHOD} quantization needs transformers>={MIN_TRANSFORMERS_VERSION} (found "
+                f"{QUANT_METHOD} quantization needs transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION} (found "
                 f"{transformers.__version__}): earlier releases cast each weight to int8 before it can be quantized. "
                 f"Upgrade transformers, or load the model without quantization_config."
             )

@@ -9,7 +9,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
-from modeling_kimi_vl.generation_kimi_vl import CACHE_ARGUMENT, StaticLatentLayer, decode_read_bucket
+from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer
+from modeling_kimi_vl.static_steps_kimi_vl import decode_read_bucket
+from modeling_kimi_vl.transformers_compat_modeling import CACHE_ARGUMENT
 from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
 
 from test_generation_fast import (  # noqa: F401  (the `model` fixture is used by name)
@@ -226,7 +228,7 @@ def test_decode_read_bucket_grows_across_boundaries_with_the_same_tokens(model, 
     """From a 57-token prompt, 80 new tokens fill slots 58..137: with read buckets from 32, the decode steps read 64,
     96, 128, then 192 slots (four boundaries crossed, the capacity being 256), each bucket with its own step, and the
     tokens equal plain generate()."""
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     request = fixture_request(expected)
     prompt_length, new_tokens = request["input_ids"].shape[1], 80
     reads = []
@@ -253,7 +255,7 @@ def test_decode_read_bucket_grows_across_boundaries_with_the_same_tokens(model, 
 
 
 def test_warm_up_runs_the_decode_step_of_every_read_bucket(model, monkeypatch):
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model.warm_up_static_generation(batch_size=2, prompt_length=20, max_cache_len=200)
     (workspace,) = model._static_generation_state().workspaces.values()
     assert list(workspace.decode_steps) == [32, 48, 64, 96, 128, 192, 200]
@@ -265,8 +267,8 @@ def test_warm_up_runs_the_decode_step_of_every_read_bucket(model, monkeypatch):
 
 
 def test_decode_steps_are_bounded_least_recently_used_first(model, expected, monkeypatch):
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MAX_DECODE_STEPS", 2)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MAX_DECODE_STEPS", 2)
     request = fixture_request(expected)
     output = model.generate(**request, max_new_tokens=80, do_sample=False, cache_implementation="static")
     (workspace,) = model._static_generation_state().workspaces.values()
@@ -277,7 +279,7 @@ def test_decode_steps_are_bounded_least_recently_used_first(model, expected, mon
 def test_decode_steps_of_every_read_bucket_never_read_the_host(model, expected, monkeypatch):
     """The host-read guard of test_generation_fast.py over every decode step (four read buckets) and the prefill,
     with the absorbed attention inside them."""
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model.generate(**fixture_request(expected), max_new_tokens=80, do_sample=False, cache_implementation="static")
     (workspace,) = model._static_generation_state().workspaces.values()
     steps = [*workspace.prefill_steps.values(), *workspace.decode_steps.values()]

@@ -15,7 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from image_processing import KimiVLTokenizer, write_tiny_tokenizer
 from modeling_kimi_vl import KimiVLForConditionalGeneration
-from modeling_kimi_vl.generation_kimi_vl import StaticLatentLayer
+from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer
 
 PLACEHOLDER_ID = 300  # <|media_pad|> of the tiny checkpoint
 PAD_ID = 0
@@ -186,7 +186,7 @@ def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, 
 
 
 def test_prompt_buckets_share_the_prefill_buffers_and_are_bounded_least_recently_used_first(model, monkeypatch):
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MAX_PREFILL_STEPS", 2)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MAX_PREFILL_STEPS", 2)
     settings = dict(max_new_tokens=2, do_sample=False, cache_implementation="static", max_cache_len=256)
     prompts = {length: torch.arange(20, 20 + length)[None] for length in (20, 40, 100)}  # buckets 32, 64, 128
 
@@ -236,7 +236,7 @@ def test_replacing_any_weight_tensor_drops_the_workspaces_writing_in_place_keeps
 
 
 def test_workspaces_are_bounded_least_recently_used_first(model, monkeypatch):
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MAX_WORKSPACES", 2)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MAX_WORKSPACES", 2)
     short, long = torch.arange(20, 40)[None], torch.arange(1, 261)[None]  # + 3 new tokens: 256 and 512 slots
 
     def run(input_ids):
@@ -600,7 +600,7 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
 def test_cuda_graphs_of_every_read_bucket_equal_eager_steps(reference_checkpoint, expected, dtype, monkeypatch):
     """80 new tokens from a 57-token prompt with read buckets from 32: decode graphs for 64, 96, 128 and 192 slots,
     each captured once and replayed without a sync, giving the eager steps' tokens (and plain generate()'s in fp32)."""
-    monkeypatch.setattr("modeling_kimi_vl.generation_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MIN_DECODE_READ_SLOTS", 32)
     model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, dtype=dtype).to("cuda").eval()
     request = fixture_request(expected, "cuda")
     settings = dict(max_new_tokens=80, do_sample=False, cache_implementation="static")

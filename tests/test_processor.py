@@ -9,7 +9,7 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from image_processing import KimiVLImageProcessor, KimiVLProcessor, KimiVLTokenizer, split_thinking, write_tiny_tokenizer
-from image_processing.tokenization_kimi_vl import SANITIZING_SUPPORTED
+from image_processing.transformers_compat_processing import SANITIZING_SUPPORTED
 
 # transformers' sanitize_control_tokens (5.24; not in 5.17 and 5.18, where it is refused: tested below).
 needs_sanitizing = pytest.mark.skipif(not SANITIZING_SUPPORTED, reason="this transformers has no sanitize_control_tokens")
@@ -250,9 +250,9 @@ def test_a_tokenizer_that_splits_special_tokens_cannot_take_images(tiny_dir):
 
 
 def test_processor_refuses_sanitizing_where_transformers_cannot_do_it(processor, monkeypatch):
-    import image_processing.tokenization_kimi_vl as tokenization
+    import image_processing.transformers_compat_processing as compat
 
-    monkeypatch.setattr(tokenization, "SANITIZING_SUPPORTED", False)
+    monkeypatch.setattr(compat, "SANITIZING_SUPPORTED", False)
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(NotImplementedError, match="sanitize_control_tokens=True needs transformers' control-token"):
         processor.apply_chat_template(messages, tokenize=True, sanitize_control_tokens=True)

@@ -17,15 +17,14 @@ import json
 
 import pytest
 import torch
-import transformers
-from packaging import version
 from safetensors import safe_open
 from transformers import DistributedConfig
 
 from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
-from modeling_kimi_vl.quantization_kimi_vl import MIN_TRANSFORMERS_VERSION, WeightOnlyExperts, WeightOnlyLinear
+from modeling_kimi_vl.quantization_kimi_vl import WeightOnlyExperts, WeightOnlyLinear
+from modeling_kimi_vl.transformers_compat_modeling import QUANTIZATION_MIN_TRANSFORMERS_VERSION, quantization_supported
 
-SUPPORTED = version.parse(transformers.__version__) >= version.parse(MIN_TRANSFORMERS_VERSION)
+SUPPORTED = quantization_supported()
 # The tests that load no quantized model; on older transformers every other test is skipped.
 RUN_ON_ANY_TRANSFORMERS = {
     "test_unsupported_scheme_and_group_size_are_refused",
@@ -35,7 +34,7 @@ RUN_ON_ANY_TRANSFORMERS = {
 
 def skip_on_older_transformers():
     if not SUPPORTED:
-        pytest.skip(f"needs transformers>={MIN_TRANSFORMERS_VERSION}")
+        pytest.skip(f"needs transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION}")
 
 
 @pytest.fixture(autouse=True)
@@ -350,9 +349,9 @@ def test_demo_loads_the_model_with_int8_weights_when_asked(tmp_path):
         parse_args(["--quantize", "int2"])
 
 
-@pytest.mark.skipif(SUPPORTED, reason=f"transformers>={MIN_TRANSFORMERS_VERSION} supports quantization")
+@pytest.mark.skipif(SUPPORTED, reason=f"transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION} supports quantization")
 def test_older_transformers_refuses_with_the_version_it_needs(reference_checkpoint):
-    with pytest.raises(ImportError, match=rf"needs transformers>={MIN_TRANSFORMERS_VERSION} \(found"):
+    with pytest.raises(ImportError, match=rf"needs transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION} \(found"):
         KimiVLForConditionalGeneration.from_pretrained(
             reference_checkpoint, quantization_config=KimiVLWeightOnlyConfig()
         )

@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 from image_processing import KimiVLTokenizer, write_tiny_tokenizer
 from image_processing.tiny_tokenizer import SPECIAL_TOKEN_OFFSETS
-from image_processing.tokenization_kimi_vl import MAX_RUN_CHARS, PAT_STR, SANITIZING_SUPPORTED, read_tiktoken_ranks
+from image_processing.tokenization_kimi_vl import MAX_RUN_CHARS, PAT_STR, read_tiktoken_ranks
+from image_processing.transformers_compat_processing import SANITIZING_SUPPORTED
 
 
 TEXTS = [
@@ -244,8 +245,8 @@ def test_sanitize_control_tokens_keeps_only_the_templates_control_tokens(tokeniz
 
 
 def test_sanitizing_is_refused_where_transformers_cannot_do_it(tokenizer, monkeypatch):
-    import image_processing.tokenization_kimi_vl as tokenization
+    import image_processing.transformers_compat_processing as compat
 
-    monkeypatch.setattr(tokenization, "SANITIZING_SUPPORTED", False)
+    monkeypatch.setattr(compat, "SANITIZING_SUPPORTED", False)
     with pytest.raises(NotImplementedError, match="sanitize_control_tokens=True needs transformers' control-token"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], sanitize_control_tokens=True)
