@@ -11,13 +11,12 @@ memory after it (VmRSS), both minus the resident memory before the first turn, a
 Two variants, each in a fresh process: the demo as it is, and the demo without returning freed memory to the system
 at the end of a turn (`app.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
 
-    python benchmarks/bench_demo_memory.py [--workdir /tmp/kimi-vl-demo-memory]
+    python -m benchmarks.bench_demo_memory [--workdir /tmp/kimi-vl-demo-memory]
 """
 
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +25,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import app  # noqa: E402
-from common import write_result  # noqa: E402
+import app
+from benchmarks.common import REPO_ROOT, child_command, write_result
 
 SIDE = 6000
 TURNS = 3
@@ -114,8 +110,8 @@ def main() -> None:
     decoded_mb = DECODED_BYTES / 2**20
     results = {}
     for variant in VARIANTS:
-        command = [sys.executable, __file__, "--variant", variant, "--workdir", str(workdir)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        command = child_command(__file__, "--variant", variant, "--workdir", str(workdir))
+        output = subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout
         measured = json.loads(output.strip().splitlines()[-1])
         for row in measured["turns"]:
             row["peak_per_decoded_image"] = round(row["peak_mb"] / decoded_mb, 2)

@@ -19,8 +19,8 @@ GPU (--gpu, one CUDA device; results in bench_quantization_cuda_full.json): the 
 bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and 8 and peak device memory.
 `--gpu --size small --device cpu` runs the same logic on CPU with the small config (a check, not a measurement).
 
-    python benchmarks/bench_quantization.py [--sections weights,load,decode] [--workdir /tmp/kimi-vl-quant-bench]
-    python benchmarks/bench_quantization.py --gpu
+    python -m benchmarks.bench_quantization [--sections weights,load,decode] [--workdir /tmp/kimi-vl-quant-bench]
+    python -m benchmarks.bench_quantization --gpu
 """
 
 import argparse
@@ -30,18 +30,15 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SMALL_CONFIG, build_model, generate_function, timed_generation  # noqa: E402
-from common import write_result  # noqa: E402
+from benchmarks.bench_generate import SMALL_CONFIG, build_model, generate_function, timed_generation
+from benchmarks.common import REPO_ROOT, child_command, write_result
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 CARD_BYTES = 24 * GIB  # a "24 GB" card (RTX 3090 / 4090: 24 GiB)
 CACHE_TOKENS = 32 * 1024
@@ -170,7 +167,7 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
 
 
 def run_child(*arguments: str) -> dict | None:
-    result = subprocess.run([sys.executable, __file__, "--child", *arguments], cwd=REPO_ROOT, capture_output=True,
+    result = subprocess.run(child_command(__file__, "--child", *arguments), cwd=REPO_ROOT, capture_output=True,
                             text=True)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"child {arguments} failed:\n{result.stdout}\n{result.stderr}")

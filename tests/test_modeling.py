@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig, kimi_vl_a3b_config
 from modeling_kimi_vl.modeling_kimi_vl import PackedImages, merge_patches, moonvit_rotary_angles
+from original_reference import original_resize
 
 RTOL = 1e-4  # what the original code's own float32 arithmetic allows (fixture README)
 
@@ -336,12 +336,6 @@ def test_eager_vision_tower_records_attention_per_image_and_get_image_features_p
 # ---------------------------------------------------------------------------------------------------------------------
 # Position-table resize
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def original_resize(table: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The release's resize, called on every forward: 2-D bicubic interpolation of the whole table."""
-    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(rows, cols), mode="bicubic", align_corners=False)
-    return resized[0].permute(1, 2, 0).flatten(0, 1)
 
 
 def test_position_resize_equals_bicubic_interpolation(reference_checkpoint):
