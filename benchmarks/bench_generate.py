@@ -57,14 +57,24 @@ SMALL_CONFIG = dict(
 TTFT_GRID = {"full": (66, 66), "small": (16, 16)}
 
 
-def build_model(size: str, device: str, dtype: torch.dtype):
-    """Random weights, created directly on the device: meta-device construction, then allocation and init there."""
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, kimi_vl_a3b_config
+def benchmark_config(size: str):
+    """The full Kimi-VL-A3B config ("full") or SMALL_CONFIG ("small"), with sdpa attention."""
+    from modeling_kimi_vl import KimiVLConfig, kimi_vl_a3b_config
 
     if size == "full":
-        config = kimi_vl_a3b_config(attn_implementation="sdpa")
-    else:
-        config = KimiVLConfig(**SMALL_CONFIG, attn_implementation="sdpa")
+        return kimi_vl_a3b_config(attn_implementation="sdpa")
+    return KimiVLConfig(**SMALL_CONFIG, attn_implementation="sdpa")
+
+
+def build_model(size: str, device: str, dtype: torch.dtype):
+    """The `size` config with random weights, on `device` in `dtype`."""
+    return random_model(benchmark_config(size), device, dtype)
+
+
+def random_model(config, device: str, dtype: torch.dtype):
+    """Random weights, created directly on the device: meta-device construction, then allocation and init there."""
+    from modeling_kimi_vl import KimiVLForConditionalGeneration
+
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes
+from benchmarks.bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, random_model
 from benchmarks.bench_generate import build_model as build_generate_model
 from benchmarks.common import REPO_ROOT, child_command, seconds_of_one_call, write_result
 
@@ -74,7 +74,7 @@ def build_model(size: str, device: str, dtype: torch.dtype):
     """"a3b_attention": bench_generate.py's small model with Kimi-VL-A3B's attention sizes, 2 text layers and 8
     experts top 2 (the model of the issue's measurements); "full" / "small": bench_generate.py's models. Random
     weights."""
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+    from modeling_kimi_vl import KimiVLConfig
 
     if size != "a3b_attention":
         return build_generate_model(size, device, dtype)
@@ -84,8 +84,7 @@ def build_model(size: str, device: str, dtype: torch.dtype):
         n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=65536,
     )  # fmt: skip
     config = KimiVLConfig(**dict(SMALL_CONFIG, text_config=text_config), attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return KimiVLForConditionalGeneration(config).to(device, dtype).eval()
+    return random_model(config, device, dtype)
 
 
 def random_latents(model, batch_size: int, context: int):

@@ -36,7 +36,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_generate import SMALL_CONFIG, build_model, generate_function, timed_generation
+from benchmarks.bench_generate import (
+    SMALL_CONFIG,
+    benchmark_config,
+    build_model,
+    generate_function,
+    random_model,
+    timed_generation,
+)
 from benchmarks.common import REPO_ROOT, child_command, write_result
 
 GIB = 2**30
@@ -120,20 +127,10 @@ def anonymous_rss_bytes() -> int:
 
 
 def child_make_source(path: Path) -> None:
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+    from modeling_kimi_vl import KimiVLConfig
 
     config = KimiVLConfig(**{**SMALL_CONFIG, "text_config": {**SMALL_CONFIG["text_config"], **LOAD_TEXT_CONFIG}})
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = KimiVLForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.initialize_weights()
-    model.save_pretrained(path)
+    random_model(config, "cpu", torch.bfloat16).save_pretrained(path)
 
 
 def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
@@ -233,10 +230,7 @@ def decode_section(workdir: Path, repeats: int, new_tokens: int, prompt_tokens: 
 def random_int8_model(size: str, device: str, dtype: torch.dtype):
     """The model with random weights, built quantized: the swap on the meta device, then random int8 values with a
     scale giving about the float init's spread (bench_generate's build_model, with the quantized modules)."""
-    from modeling_kimi_vl import KimiVLConfig, kimi_vl_a3b_config
-
-    config = kimi_vl_a3b_config(attn_implementation="sdpa") if size == "full" else KimiVLConfig(
-        **SMALL_CONFIG, attn_implementation="sdpa")  # fmt: skip
+    config = benchmark_config(size)
     model = quantized_skeleton(config, "int8", dtype)
     model.to_empty(device=device)
     torch.manual_seed(0)
