@@ -49,14 +49,14 @@ $(TINY_DIR)/config.json: $(VENV)/.installed modeling_kimi_vl/tiny_checkpoint.py 
 # The CPU benchmarks; each prints a table and writes JSON (with the machine) to benchmarks/results/.
 # On one GPU: `bash benchmarks/gpu_check.sh`.
 bench: venv
-	$(PY) benchmarks/bench_vision.py
-	$(PY) benchmarks/bench_image_processor.py
-	$(PY) benchmarks/bench_generate.py
-	$(PY) benchmarks/bench_long_context.py --crossover
-	$(PY) benchmarks/bench_long_context.py
-	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py
-	$(PY) benchmarks/bench_hub_export_memory.py
-	$(PY) benchmarks/bench_demo_memory.py
+	$(PY) -m benchmarks.bench_vision
+	$(PY) -m benchmarks.bench_image_processor
+	$(PY) -m benchmarks.bench_generate
+	$(PY) -m benchmarks.bench_long_context --crossover
+	$(PY) -m benchmarks.bench_long_context
+	$(VENV)/bin/torchrun --nproc_per_node 2 -m benchmarks.bench_parallel_vision
+	$(PY) -m benchmarks.bench_hub_export_memory
+	$(PY) -m benchmarks.bench_demo_memory
 
 clean:
 	rm -rf $(VENV) $(TINY_DIR) build *.egg-info

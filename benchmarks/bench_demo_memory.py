@@ -11,13 +11,12 @@ memory after it (VmRSS), both minus the resident memory before the first turn, a
 Two variants, each in a fresh process: the demo as it is, and the demo without returning freed memory to the system
 at the end of a turn (`engine.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
 
-    python benchmarks/bench_demo_memory.py [--workdir /tmp/kimi-vl-demo-memory]
+    python -m benchmarks.bench_demo_memory [--workdir /tmp/kimi-vl-demo-memory]
 """
 
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,15 +25,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from kimi_vl_demo import engine as demo_engine  # noqa: E402
-from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint  # noqa: E402
-from kimi_vl_demo.conversation import user_turn  # noqa: E402
-from kimi_vl_demo.engine import ChatEngine, GenerationSettings, answer_turn, release_memory  # noqa: E402
-from kimi_vl_demo.inputs import InputLimits  # noqa: E402
+from benchmarks.common import REPO_ROOT, child_command, write_result
+from kimi_vl_demo import engine as demo_engine
+from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint
+from kimi_vl_demo.conversation import user_turn
+from kimi_vl_demo.engine import ChatEngine, GenerationSettings, answer_turn, release_memory
+from kimi_vl_demo.inputs import InputLimits
 
 SIDE = 6000
 TURNS = 3
@@ -118,8 +114,8 @@ def main() -> None:
     decoded_mb = DECODED_BYTES / 2**20
     results = {}
     for variant in VARIANTS:
-        command = [sys.executable, __file__, "--variant", variant, "--workdir", str(workdir)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        command = child_command(__file__, "--variant", variant, "--workdir", str(workdir))
+        output = subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout
         measured = json.loads(output.strip().splitlines()[-1])
         for row in measured["turns"]:
             row["peak_per_decoded_image"] = round(row["peak_mb"] / decoded_mb, 2)

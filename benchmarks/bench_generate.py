@@ -14,9 +14,9 @@ against `plain` of the same run; batch-1 decode is also given as a percentage of
 of weights one decode step reads (attention, dense and shared MLPs, top-k of the routed experts, norms, lm_head; bf16
 on GPU) divided into the device bandwidth measured with a large copy.
 
-    python benchmarks/bench_generate.py                 # CPU: small config, plain vs ours
-    python benchmarks/bench_generate.py --gpu           # one GPU: full Kimi-VL-A3B config, random bf16 weights
-    python benchmarks/bench_generate.py --gpu --size small --device cpu --variants plain,hf_static,ours
+    python -m benchmarks.bench_generate                 # CPU: small config, plain vs ours
+    python -m benchmarks.bench_generate --gpu           # one GPU: full Kimi-VL-A3B config, random bf16 weights
+    python -m benchmarks.bench_generate --gpu --size small --device cpu --variants plain,hf_static,ours
                                                         # the --gpu logic, tried on CPU with the small config
 """
 
@@ -25,16 +25,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from benchmarks.common import REPO_ROOT, child_command, mean_seconds, write_result
 
 VARIANTS = ("plain", "hf_static", "ours")
 
@@ -60,14 +57,24 @@ SMALL_CONFIG = dict(
 TTFT_GRID = {"full": (66, 66), "small": (16, 16)}
 
 
-def build_model(size: str, device: str, dtype: torch.dtype):
-    """Random weights, created directly on the device: meta-device construction, then allocation and init there."""
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, kimi_vl_a3b_config
+def benchmark_config(size: str):
+    """The full Kimi-VL-A3B config ("full") or SMALL_CONFIG ("small"), with sdpa attention."""
+    from modeling_kimi_vl import KimiVLConfig, kimi_vl_a3b_config
 
     if size == "full":
-        config = kimi_vl_a3b_config(attn_implementation="sdpa")
-    else:
-        config = KimiVLConfig(**SMALL_CONFIG, attn_implementation="sdpa")
+        return kimi_vl_a3b_config(attn_implementation="sdpa")
+    return KimiVLConfig(**SMALL_CONFIG, attn_implementation="sdpa")
+
+
+def build_model(size: str, device: str, dtype: torch.dtype):
+    """The `size` config with random weights, on `device` in `dtype`."""
+    return random_model(benchmark_config(size), device, dtype)
+
+
+def random_model(config, device: str, dtype: torch.dtype):
+    """Random weights, created directly on the device: meta-device construction, then allocation and init there."""
+    from modeling_kimi_vl import KimiVLForConditionalGeneration
+
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -101,14 +108,7 @@ def copy_bandwidth(device: str) -> float:
     elements = (1 << 30) if device == "cuda" else (1 << 26)
     source = torch.empty(elements, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
-    target.copy_(source)
-    repeats = 10
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        target.copy_(source)
-    synchronize(device)
-    return 2 * source.nbytes * repeats / (time.perf_counter() - start)
+    return 2 * source.nbytes / mean_seconds(lambda: target.copy_(source), repeats=10)
 
 
 def synchronize(device: str) -> None:
@@ -213,11 +213,11 @@ def peak_memory(device: str) -> int | None:
 
 def run_child(args, variant: str, timeout: float) -> tuple[list[dict], str | None]:
     """Run one variant in a child process; returns its records and, if it did not finish, why."""
-    command = [sys.executable, __file__, "--variant", variant, "--size", args.size, "--device", args.device,
-               "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)),
-               "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
-               "--repeats", str(args.repeats)]  # fmt: skip
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    command = child_command(__file__, "--variant", variant, "--size", args.size, "--device", args.device,
+                            "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)),
+                            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
+                            "--repeats", str(args.repeats))  # fmt: skip
+    child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     records = []
     reader = threading.Thread(target=lambda: records.extend(json.loads(line) for line in child.stdout))
     reader.start()

@@ -9,7 +9,7 @@ its own process; its peak RSS is the kernel's high-water mark of that process (V
 ru_maxrss it does not include the parent's memory inherited at fork). The baseline is the same command on the tiny
 Kimi-VL folder (`make tiny`, 1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest shard.
 
-    python benchmarks/bench_hub_export_memory.py [--workdir /tmp/kimi-vl-export-bench]
+    python -m benchmarks.bench_hub_export_memory [--workdir /tmp/kimi-vl-export-bench]
 """
 
 import argparse
@@ -23,15 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from benchmarks.common import REPO_ROOT, write_result
+from hub_upload.source import expected_checkpoint_shapes
+from hub_upload.weights import natural_key
+from modeling_kimi_vl import KimiVLConfig
+from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
 
-from hub_upload.source import expected_checkpoint_shapes  # noqa: E402
-from hub_upload.weights import natural_key  # noqa: E402
-from modeling_kimi_vl import KimiVLConfig  # noqa: E402
-from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # What the wide checkpoint takes over from the tiny folder unchanged.
 TOKENIZER_AND_PROCESSOR_FILES = (
     "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",

@@ -38,28 +38,27 @@ relative to expanded_plain and (static variants) to absorbed_plain, and peak mem
 `--crossover` instead times one attention layer at the A3B sizes over 4K cached tokens for query lengths 1 to 512,
 expanded vs absorbed: the measurement behind `ABSORBED_MAX_QUERY_LENGTH` in modeling_kimi_vl.py.
 
-    python benchmarks/bench_long_context.py              # results/bench_long_context_cpu.json
-    python benchmarks/bench_long_context.py --crossover  # results/bench_long_context_crossover_cpu.json
-    python benchmarks/bench_long_context.py --gpu        # results/bench_long_context_cuda.json
-    python benchmarks/bench_long_context.py --gpu --device cpu --size small --dtype float32 --contexts 256,1024 \
+    python -m benchmarks.bench_long_context              # results/bench_long_context_cpu.json
+    python -m benchmarks.bench_long_context --crossover  # results/bench_long_context_crossover_cpu.json
+    python -m benchmarks.bench_long_context --gpu        # results/bench_long_context_cuda.json
+    python -m benchmarks.bench_long_context --gpu --device cpu --size small --dtype float32 --contexts 256,1024 \
         --fixed-slots 4096                               # the --gpu logic on CPU, with bench_generate's small model
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, synchronize  # noqa: E402
-from bench_generate import build_model as build_generate_model  # noqa: E402
-from common import write_result  # noqa: E402
+from benchmarks.bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, random_model
+from benchmarks.bench_generate import build_model as build_generate_model
+from benchmarks.common import REPO_ROOT, child_command, seconds_of_one_call, write_result
 
 VARIANTS = ("expanded_plain", "absorbed_plain", "static_auto", "static_fixed")
 QUERY_LENGTHS = (1, 16, 32, 64, 128, 256, 512)
@@ -75,7 +74,7 @@ def build_model(size: str, device: str, dtype: torch.dtype):
     """"a3b_attention": bench_generate.py's small model with Kimi-VL-A3B's attention sizes, 2 text layers and 8
     experts top 2 (the model of the issue's measurements); "full" / "small": bench_generate.py's models. Random
     weights."""
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+    from modeling_kimi_vl import KimiVLConfig
 
     if size != "a3b_attention":
         return build_generate_model(size, device, dtype)
@@ -85,8 +84,7 @@ def build_model(size: str, device: str, dtype: torch.dtype):
         n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=65536,
     )  # fmt: skip
     config = KimiVLConfig(**dict(SMALL_CONFIG, text_config=text_config), attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return KimiVLForConditionalGeneration(config).to(device, dtype).eval()
+    return random_model(config, device, dtype)
 
 
 def random_latents(model, batch_size: int, context: int):
@@ -181,18 +179,15 @@ def prepare_step(model, variant: str, context: int, batch_size: int, args):
     return run, slots
 
 
-def timed_steps(runs: dict, args, device: str) -> dict[str, list[float]]:
+def timed_steps(runs: dict, args) -> dict[str, list[float]]:
     """Seconds per step of each callable in `runs`, taken in turn (one step of each, then the next round), so that load
     changes on a shared machine hit every variant alike. The first --warm-up rounds are not kept."""
     timings = {name: [] for name in runs}
     for round_index in range(args.warm_up + args.steps):
         for name, run in runs.items():
-            synchronize(device)
-            start = time.perf_counter()
-            run()
-            synchronize(device)
+            seconds = seconds_of_one_call(run)
             if round_index >= args.warm_up:
-                timings[name].append(time.perf_counter() - start)
+                timings[name].append(seconds)
     return timings
 
 
@@ -223,7 +218,7 @@ def time_variant(model, variant: str, context: int, batch_size: int, args) -> di
         baseline = 1024 * resident_kib("VmRSS")
     run, slots = prepare_step(model, variant, context, batch_size, args)
     try:
-        record = timing_record(timed_steps({variant: run}, args, model.device.type)[variant])
+        record = timing_record(timed_steps({variant: run}, args)[variant])
         peak = torch.cuda.max_memory_allocated() if cuda else 1024 * resident_kib("VmHWM")
     finally:
         del run
@@ -233,10 +228,11 @@ def time_variant(model, variant: str, context: int, batch_size: int, args) -> di
 
 def peak_memory_in_child(args, variant: str, context: int, batch_size: int) -> int:
     """CPU: the peak resident memory above the model of a fresh process running `variant` for a few steps."""
-    command = [sys.executable, __file__, "--child", variant, "--contexts", str(context), "--batches", str(batch_size),
-               "--steps", "2", "--warm-up", "1", "--fixed-slots", str(args.fixed_slots), "--size", args.size,
-               "--device", args.device, "--dtype", args.dtype]  # fmt: skip
-    output = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, timeout=args.child_timeout)
+    command = child_command(__file__, "--child", variant, "--contexts", str(context), "--batches", str(batch_size),
+                            "--steps", "2", "--warm-up", "1", "--fixed-slots", str(args.fixed_slots), "--size",
+                            args.size, "--device", args.device, "--dtype", args.dtype)  # fmt: skip
+    output = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, check=True,
+                            timeout=args.child_timeout)  # fmt: skip
     return json.loads(output.stdout.strip().splitlines()[-1])["peak_memory_above_model_bytes"]
 
 
@@ -318,7 +314,7 @@ def long_context(args) -> None:
                 records = {name: time_variant(model, name, context, batch_size, args) for name in args.variants}
             else:  # a shared CPU: the variants' steps in turn; peak memory from a fresh process per variant
                 runs = {name: prepare_step(model, name, context, batch_size, args)[0] for name in args.variants}
-                timings = timed_steps(runs, args, args.device)
+                timings = timed_steps(runs, args)
                 del runs
                 model.clear_static_generation()
                 records = {
@@ -364,10 +360,9 @@ def crossover(args) -> None:
                 attention.absorb_max_query_length = limit
                 cache = DynamicCache(config=text)
                 cache.update(latent, rope_key, 1)
-                start = time.perf_counter()
                 with torch.no_grad():
-                    attention(hidden, position_embeddings, mask, **{CACHE_ARGUMENT: cache})
-                timings[form].append(time.perf_counter() - start)
+                    call = functools.partial(attention, hidden, position_embeddings, mask, **{CACHE_ARGUMENT: cache})
+                    timings[form].append(seconds_of_one_call(call))
         row = {f"{form}_ms": 1000 * statistics.median(values[args.warm_up :]) for form, values in timings.items()}
         row["absorbed_speedup"] = row["expanded_ms"] / row["absorbed_ms"]
         rows[str(query_length)] = row

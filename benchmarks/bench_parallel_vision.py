@@ -1,7 +1,7 @@
 """The vision tower on N processes: data mode (replicated tower, images shared out) vs weight mode (tensor-parallel
 tower), for a mixed batch, with one process using all the same cores as the baseline.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py [--layers 4] [--repeats 5]
+    torchrun --nproc_per_node 2 -m benchmarks.bench_parallel_vision [--layers 4] [--repeats 5]
 
 On a CPU machine torchrun gives every process one thread (OMP_NUM_THREADS=1); the baseline runs on rank 0 alone with
 as many threads as there are processes, so all three variants use the same cores. MoonViT's real width (1152, 16
@@ -12,7 +12,6 @@ benchmarks/results/bench_parallel_vision_<device>_<N>proc.json.
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,12 +19,9 @@ import torch
 import torch.distributed as dist
 from transformers import DistributedConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_GRIDS, median_seconds, print_timings, write_result  # noqa: E402
-
-from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
-from modeling_kimi_vl.parallel_kimi_vl import assign_images_to_ranks, encode_images_data_parallel  # noqa: E402
-
+from benchmarks.common import MIXED_GRIDS, print_timings, seconds_of_one_call, write_result
+from modeling_kimi_vl import MoonViTConfig, MoonViTModel
+from modeling_kimi_vl.parallel_kimi_vl import assign_images_to_ranks, encode_images_data_parallel
 
 
 def main() -> None:
@@ -34,7 +30,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        parser.error("launch with torchrun, e.g. torchrun --nproc_per_node 2 benchmarks/bench_parallel_vision.py")
+        parser.error("launch with torchrun, e.g. torchrun --nproc_per_node 2 -m benchmarks.bench_parallel_vision")
     if args.layers < 1 or args.repeats < 1:
         parser.error("--layers and --repeats must be at least 1")
     world_size = int(os.environ["WORLD_SIZE"])
@@ -89,7 +85,7 @@ def main() -> None:
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, function in variants.items():
                 dist.barrier()
-                timings[name].append(median_seconds(function, repeats=1, warmup=0))
+                timings[name].append(seconds_of_one_call(function))
         dist.barrier()
         single_seconds, data_seconds, weight_seconds = (statistics.median(timings[name][1:]) for name in variants)
 

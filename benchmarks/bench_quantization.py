@@ -19,8 +19,8 @@ GPU (--gpu, one CUDA device; results in bench_quantization_cuda_full.json): the 
 bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and 8 and peak device memory.
 `--gpu --size small --device cpu` runs the same logic on CPU with the small config (a check, not a measurement).
 
-    python benchmarks/bench_quantization.py [--sections weights,load,decode] [--workdir /tmp/kimi-vl-quant-bench]
-    python benchmarks/bench_quantization.py --gpu
+    python -m benchmarks.bench_quantization [--sections weights,load,decode] [--workdir /tmp/kimi-vl-quant-bench]
+    python -m benchmarks.bench_quantization --gpu
 """
 
 import argparse
@@ -30,18 +30,22 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SMALL_CONFIG, build_model, generate_function, timed_generation  # noqa: E402
-from common import write_result  # noqa: E402
+from benchmarks.bench_generate import (
+    SMALL_CONFIG,
+    benchmark_config,
+    build_model,
+    generate_function,
+    random_model,
+    timed_generation,
+)
+from benchmarks.common import REPO_ROOT, child_command, write_result
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 CARD_BYTES = 24 * GIB  # a "24 GB" card (RTX 3090 / 4090: 24 GiB)
 CACHE_TOKENS = 32 * 1024
@@ -123,20 +127,10 @@ def anonymous_rss_bytes() -> int:
 
 
 def child_make_source(path: Path) -> None:
-    from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+    from modeling_kimi_vl import KimiVLConfig
 
     config = KimiVLConfig(**{**SMALL_CONFIG, "text_config": {**SMALL_CONFIG["text_config"], **LOAD_TEXT_CONFIG}})
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = KimiVLForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.initialize_weights()
-    model.save_pretrained(path)
+    random_model(config, "cpu", torch.bfloat16).save_pretrained(path)
 
 
 def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
@@ -170,7 +164,7 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
 
 
 def run_child(*arguments: str) -> dict | None:
-    result = subprocess.run([sys.executable, __file__, "--child", *arguments], cwd=REPO_ROOT, capture_output=True,
+    result = subprocess.run(child_command(__file__, "--child", *arguments), cwd=REPO_ROOT, capture_output=True,
                             text=True)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"child {arguments} failed:\n{result.stdout}\n{result.stderr}")
@@ -236,10 +230,7 @@ def decode_section(workdir: Path, repeats: int, new_tokens: int, prompt_tokens: 
 def random_int8_model(size: str, device: str, dtype: torch.dtype):
     """The model with random weights, built quantized: the swap on the meta device, then random int8 values with a
     scale giving about the float init's spread (bench_generate's build_model, with the quantized modules)."""
-    from modeling_kimi_vl import KimiVLConfig, kimi_vl_a3b_config
-
-    config = kimi_vl_a3b_config(attn_implementation="sdpa") if size == "full" else KimiVLConfig(
-        **SMALL_CONFIG, attn_implementation="sdpa")  # fmt: skip
+    config = benchmark_config(size)
     model = quantized_skeleton(config, "int8", dtype)
     model.to_empty(device=device)
     torch.manual_seed(0)

@@ -11,28 +11,17 @@ MoonViT's real width (1152, 16 heads, 4304 MLP, 64x64 position table) is used; t
 blocks so that a 2-core CPU finishes in about a minute. The position resize is a fixed cost per image, so it is a
 larger share of a shallow tower than of the full one; `--layers 27` measures the full depth.
 
-    python benchmarks/bench_vision.py [--layers 4] [--repeats 5] [--device cpu|cuda]
+    python -m benchmarks.bench_vision [--layers 4] [--repeats 5] [--device cpu|cuda]
 """
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_GRIDS, median_seconds, print_timings, write_result  # noqa: E402
-
-from modeling_kimi_vl import MoonViTConfig, MoonViTModel  # noqa: E402
-
-
-
-def original_resize(table: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The release's position resize: 2-D bicubic interpolation of the whole table."""
-    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(rows, cols), mode="bicubic", align_corners=False)
-    return resized[0].permute(1, 2, 0).flatten(0, 1)
+from benchmarks.common import MIXED_GRIDS, mean_seconds, print_timings, write_result
+from modeling_kimi_vl import MoonViTConfig, MoonViTModel
+from tests.original_reference import original_resize
 
 
 def main() -> None:
@@ -63,11 +52,11 @@ def main() -> None:
     with torch.inference_mode():
         reference = packed()
         assert torch.allclose(one_at_a_time(), reference, rtol=1e-4, atol=1e-4), "per-image output differs"
-        packed_seconds = median_seconds(packed, args.repeats)
-        one_at_a_time_seconds = median_seconds(one_at_a_time, args.repeats)
+        packed_seconds = mean_seconds(packed, args.repeats)
+        one_at_a_time_seconds = mean_seconds(one_at_a_time, args.repeats)
         pos_emb._table_for = functools.partial(original_resize, pos_emb.weight)  # this instance only
         assert torch.allclose(packed(), reference, rtol=1e-4, atol=1e-4), "the original resize differs"
-        original_resize_seconds = median_seconds(packed, args.repeats)
+        original_resize_seconds = mean_seconds(packed, args.repeats)
 
     rows = [
         ("packed", packed_seconds),

@@ -3,13 +3,14 @@
 import json
 import os
 import platform
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
+from torch.utils.benchmark import Timer, timer
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 # A fixed mixed batch of image grids (rows, cols) as the image processor makes them: portrait, landscape, small,
 # square, panoramic. 1712 patches in all.
@@ -33,20 +34,28 @@ def machine_description() -> dict:
     return description
 
 
-def median_seconds(function, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `function()` over `repeats` runs, after `warmup` untimed runs."""
-    for _ in range(warmup):
-        function()
-    timings = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        timings.append(time.perf_counter() - start)
-    return statistics.median(timings)
+def mean_seconds(function, repeats: int) -> float:
+    """Mean wall time of one `function()` call over `repeats` calls, after Timer's two warm-up calls.
+
+    torch.utils.benchmark.Timer synchronizes the accelerator around the timed block; it runs at one thread unless told,
+    so it is given this process's thread count (what the code under test uses outside a benchmark)."""
+    calls = Timer(stmt="function()", globals={"function": function}, num_threads=torch.get_num_threads())
+    return calls.timeit(number=repeats).mean
+
+
+def seconds_of_one_call(function) -> float:
+    """Wall time of one `function()` call on Timer's clock (which synchronizes the accelerator). For benchmarks whose
+    variants take turns call by call, so that load changes on a shared machine hit them alike; Timer itself times
+    blocks of calls to one function."""
+    start = timer()
+    function()
+    return timer() - start
+
+
+def child_command(benchmark_file: str, *arguments: str) -> list[str]:
+    """The command that runs the benchmark in `benchmark_file` (its `__file__`) again in a fresh process, the way it is
+    run by hand: `python -m benchmarks.<name>`. Run it with cwd=REPO_ROOT, where `-m` finds the package."""
+    return [sys.executable, "-m", f"benchmarks.{Path(benchmark_file).stem}", *arguments]
 
 
 def write_result(name: str, result: dict) -> Path:

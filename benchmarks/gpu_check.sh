@@ -2,14 +2,14 @@
 # GPU checks of the fast generation paths, on one CUDA device (sized for an H200):
 #   1. the CUDA-only tests: graph capture and replay (every read bucket), graph-on == graph-off == plain generate,
 #      capture refusal, the quantized static path under graphs;
-#   2. benchmarks/bench_long_context.py --gpu: full Kimi-VL-A3B config with random bf16 weights, decode ms/step at
+#   2. benchmarks.bench_long_context --gpu: full Kimi-VL-A3B config with random bf16 weights, decode ms/step at
 #      contexts 1K, 8K and 32K, batch 1 and 8: expanded vs absorbed MLA attention on plain generate(), and the static
 #      path (CUDA graphs) with automatic and fixed capacity; batch-1 decode as a share of the bandwidth limit counting
 #      the weights and the cached latent. Results: benchmarks/results/bench_long_context_cuda.json (written after
 #      every measurement, so a stage stopped by its limit keeps what it measured);
-#   3. benchmarks/bench_generate.py --gpu: decode tokens/s at batch 1/8/32 and time to first token against plain
+#   3. benchmarks.bench_generate --gpu: decode tokens/s at batch 1/8/32 and time to first token against plain
 #      generate() and transformers' static+compile. Results: benchmarks/results/bench_generate_cuda_full.json;
-#   4. benchmarks/bench_quantization.py --gpu: the same config in bf16 and then weight-only int8, static-path decode
+#   4. benchmarks.bench_quantization --gpu: the same config in bf16 and then weight-only int8, static-path decode
 #      tokens/s at batch 1 and 8 and peak memory. Results: benchmarks/results/bench_quantization_cuda_full.json.
 # Under 8 minutes by design: every stage has a hard limit and the limits add up to 480 s (90 + 90 + 210 + 90). A
 # benchmark variant that overruns is stopped and named in its JSON; measurements that would start after a stage's
@@ -34,10 +34,10 @@ if grep -q "skipped" /tmp/gpu_check_tests.log; then
 fi
 
 # Long context: stops starting measurements after 60 s; the hard limit leaves room for the one in flight.
-timeout 90 "$PY" benchmarks/bench_long_context.py --gpu --budget-s 60
+timeout 90 "$PY" -m benchmarks.bench_long_context --gpu --budget-s 60
 
 # plain and ours: under a minute each (55 s each at most); hf_static gets 80 s for its torch.compile.
-timeout 210 "$PY" benchmarks/bench_generate.py --gpu --compile-budget 80 --child-timeout 55 --repeats 3
+timeout 210 "$PY" -m benchmarks.bench_generate --gpu --compile-budget 80 --child-timeout 55 --repeats 3
 
 # bf16 then int8 in one process, static path only (graphs captured once per batch size): ~1 minute expected.
-timeout 90 "$PY" benchmarks/bench_quantization.py --gpu --repeats 2
+timeout 90 "$PY" -m benchmarks.bench_quantization --gpu --repeats 2

@@ -1,9 +1,9 @@
 """Fine-tune Kimi-VL on chat conversations (JSONL, messages format) with transformers' Trainer: LoRA through peft
 (default) or full fine-tuning of the language model.
 
-    python examples/finetune.py --model moonshotai/Kimi-VL-A3B-Instruct --data train.jsonl --output out --bf16 \
+    python -m examples.finetune --model moonshotai/Kimi-VL-A3B-Instruct --data train.jsonl --output out --bf16 \
         --gradient-checkpointing [--merge]
-    torchrun --nproc_per_node 8 examples/finetune.py ...     # data parallel, one process per GPU
+    torchrun --nproc_per_node 8 -m examples.finetune ...     # data parallel, one process per GPU
 
 `--output` receives the adapter (peft's format) or the fully fine-tuned model, the processor files, and the Trainer's
 checkpoints (`checkpoint-N/`, resumed with `--resume`); `--merge` also writes `OUTPUT/merged/`: the base model with

@@ -2,21 +2,18 @@
 (no weights, no download): trainable parameters of each adapter choice of examples/finetune.py, and per-device bytes
 for weights, gradients and Adam states, plus an activation estimate per token.
 
-    python examples/finetune_memory.py [--lora-rank 16] [--tokens 4096]
+    python -m examples.finetune_memory [--lora-rank 16] [--tokens 4096]
 
 Data parallel (torchrun) keeps all of this on every device; only the activations depend on the batch.
 """
 
 import argparse
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune  # noqa: E402 - the sibling script: the adapter choices are its own
-from modeling_kimi_vl import KimiVLForConditionalGeneration, kimi_vl_a3b_config  # noqa: E402
+from examples import finetune  # the adapter choices are finetune.py's own
+from modeling_kimi_vl import KimiVLForConditionalGeneration, kimi_vl_a3b_config
 
 GB = 1e9
 # Adam keeps two float32 moments per trained parameter; trained parameters and their gradients are float32.

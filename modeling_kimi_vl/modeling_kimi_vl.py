@@ -43,7 +43,7 @@ MOONVIT_ROPE_THETA = 10000.0
 MOONVIT_MAX_GRID_SIDE = 512
 # Language-model queries of at most this many tokens attend over the MLA latent directly (the absorbed form); longer
 # ones expand the latent through kv_b_proj. Measured on a 2-core CPU (one layer at Kimi-VL-A3B's sizes, 4K cached
-# tokens, fp32; `python benchmarks/bench_long_context.py --crossover`): absorbed 17x faster for 1 query token, 2.8x for
+# tokens, fp32; `python -m benchmarks.bench_long_context --crossover`): absorbed 17x faster for 1 query token, 2.8x for
 # 64, 1.6x for 128, 1.1x for 256, 0.87x for 512. The limit keeps a margin below the crossover and bounds the scores the
 # absorbed form materialises (heads x query x context; the expanded form hands that to SDPA's kernels).
 ABSORBED_MAX_QUERY_LENGTH = 128

@@ -70,6 +70,15 @@ def reference_model(reference_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny tokenizer's two files alone (tiktoken.model, tokenizer_config.json; see
+    image_processing/tiny_tokenizer.py). Shared: do not modify it."""
+    from image_processing import write_tiny_tokenizer
+
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kimi_vl_dir(tmp_path_factory) -> Path:
     """The complete tiny Kimi-VL folder (`make tiny`): the reference weights with tokenizer, processor and generation
     configs, in the original hub layout. Shared: copy it before modifying anything in it."""

@@ -20,30 +20,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DistributedConfig
 
+from helpers import prompt_ids, random_images
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
 
-PLACEHOLDER_ID = 300
 NEW_TOKENS = 8
 STATIC_SCENARIOS = ("two_images", "text_only")
 
 
-def image_prompt(grids: list[tuple[int, int]], generator: torch.Generator) -> torch.Tensor:
-    """`[1, T]` ids: a few text tokens before every image, then rows*cols/4 placeholders for it, then a text tail."""
-    pieces = []
-    for rows, cols in grids:
-        pieces.append(torch.randint(3, PLACEHOLDER_ID, (3,), generator=generator))
-        pieces.append(torch.full((rows * cols // 4,), PLACEHOLDER_ID))
-    pieces.append(torch.randint(3, PLACEHOLDER_ID, (4,), generator=generator))
-    return torch.cat(pieces).unsqueeze(0)
-
-
 def build_scenarios(expected: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
     first_grid = tuple(expected["image_grid_hws"][0].tolist())
     first_patches = first_grid[0] * first_grid[1]
     # Patch counts 192, 4 and 24: on 2 ranks the largest goes alone to rank 0, the two small ones to rank 1.
     three_grids = [(16, 12), (2, 2), (4, 6)]
+    three_pixel_values, three_grid_hws = random_images(three_grids)
     return {
         "two_images": {
             "input_ids": expected["mm_input_ids"],
@@ -51,14 +41,14 @@ def build_scenarios(expected: dict[str, torch.Tensor]) -> dict[str, dict[str, to
             "image_grid_hws": expected["image_grid_hws"],
         },
         "one_image": {
-            "input_ids": image_prompt([first_grid], generator),
+            "input_ids": torch.tensor([prompt_ids([first_grid])]),
             "pixel_values": expected["pixel_values"][:first_patches],
             "image_grid_hws": expected["image_grid_hws"][:1],
         },
         "three_images": {
-            "input_ids": image_prompt(three_grids, generator),
-            "pixel_values": torch.randn(sum(r * c for r, c in three_grids), 3, 14, 14, generator=generator),
-            "image_grid_hws": torch.tensor(three_grids),
+            "input_ids": torch.tensor([prompt_ids(three_grids)]),
+            "pixel_values": three_pixel_values,
+            "image_grid_hws": three_grid_hws,
         },
         "text_only": {"input_ids": expected["txt_input_ids"]},
     }

@@ -3,7 +3,6 @@ adapter, the merged model in the original layout, bad examples, and the demo loa
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +13,11 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import Trainer
 
+from examples import finetune, finetune_memory
 from image_processing import KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
 from image_processing.data_collator_kimi_vl import IGNORE_INDEX
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import finetune  # noqa: E402 - examples/ is a folder of scripts, not a package
 
 IMAGE_TOKEN = "<|media_pad|>"
 END = "<|im_end|>"
@@ -324,7 +322,6 @@ def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_p
 
 
 def test_a3b_adapter_sizes_match_the_architecture():
-    import finetune_memory
     from modeling_kimi_vl import kimi_vl_a3b_config
 
     rank = 16

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT
+
 # Tests that read tests/fixtures/ through the conftest fixtures: the model against the original code's outputs, the
 # image processor against the original's bytes, the tiny folder (written from the fixture), the release layout.
 FIXTURE_TESTS = [

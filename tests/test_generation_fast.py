@@ -13,34 +13,23 @@ import torch
 from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from image_processing import KimiVLTokenizer, write_tiny_tokenizer
+from helpers import prompt_ids, random_images
+from image_processing import KimiVLTokenizer
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer
 
-PLACEHOLDER_ID = 300  # <|media_pad|> of the tiny checkpoint
 PAD_ID = 0
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def random_images(grids, seed):
-    generator = torch.Generator().manual_seed(seed)
-    pixel_values = torch.randn(sum(rows * cols for rows, cols in grids), 3, 14, 14, generator=generator)
-    return pixel_values, torch.tensor(grids, dtype=torch.long)
-
-
-def prompt_ids(grids, text_ids):
-    """Text, then per image a run of rows*cols/4 placeholders followed by more text."""
-    ids = list(text_ids)
-    for rows, cols in grids:
-        ids += [PLACEHOLDER_ID] * (rows * cols // 4) + [11, 12]
-    return ids
-
-
 def batched_multi_image_request(device="cpu"):
     """Three left-padded prompts of different lengths: two images, none, one image (not a power-of-two batch)."""
     grids_per_prompt = [[(4, 6), (2, 2)], [], [(6, 4)]]
-    prompts = [prompt_ids(grids, text_ids=range(20 + i, 25 + 3 * i)) for i, grids in enumerate(grids_per_prompt)]
+    prompts = [
+        prompt_ids(grids, text=range(20 + i, 25 + 3 * i), after_each_image=(11, 12))
+        for i, grids in enumerate(grids_per_prompt)
+    ]
     width = max(map(len, prompts))
     input_ids = torch.tensor([[PAD_ID] * (width - len(ids)) + ids for ids in prompts])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
@@ -386,8 +375,8 @@ def test_a_copy_of_the_model_starts_without_workspaces(model, expected):
     assert workspace.model is duplicate
 
 
-def test_text_iterator_streamer_yields_the_generated_text(model, expected, tmp_path):
-    tokenizer = KimiVLTokenizer.from_pretrained(write_tiny_tokenizer(tmp_path))
+def test_text_iterator_streamer_yields_the_generated_text(model, expected, tiny_tokenizer_dir):
+    tokenizer = KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir)
     request = fixture_request(expected)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
     result = {}

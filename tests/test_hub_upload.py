@@ -36,10 +36,9 @@ from hub_upload.remote_code import MODEL_AUTO_MAP, PREPROCESSOR_AUTO_MAP, TOKENI
 from hub_upload.weights import parse_size
 from image_processing.tiny_tokenizer import write_tiny_tokenizer
 
+from helpers import REPO_ROOT
 from hub_stand_in import HubStandIn
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
 # The hub's Instruct preprocessor_config.json, with its auto_map pointing at the original release's files.
 INSTRUCT_PREPROCESSOR_CONFIG = {
     "auto_map": {
@@ -205,7 +204,7 @@ def test_model_card_metadata_names_the_source_model_and_license(exported):
 def test_export_loads_in_clean_interpreter_and_matches_fixture(exported, reference_dir, expected, tmp_path):
     output = tmp_path / "outputs.safetensors"
     expected_path = reference_dir / "expected.safetensors"
-    result = run_isolated(TESTS_DIR / "isolated_auto_load.py", str(exported), str(expected_path), str(output))
+    result = run_isolated(REPO_ROOT / "tests" / "isolated_auto_load.py", str(exported), str(expected_path), str(output))
     assert result.returncode == 0, result.stdout + result.stderr
     with safe_open(output, framework="pt") as handle:
         classes = json.loads(handle.metadata()["classes"])

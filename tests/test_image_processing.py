@@ -1,6 +1,5 @@
 """KimiVLImageProcessor: exactness against the original algorithm, inputs, errors, config round trip."""
 
-import importlib.util
 import io
 import json
 import os
@@ -15,20 +14,7 @@ from transformers.utils.logging import warning_once
 
 from image_processing import KimiVLImageProcessor, image_processing_kimi_vl
 from image_processing.image_processing_kimi_vl import accepted_preprocess_kwargs
-
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_original_pipeline():
-    """The straightforward implementation of the original's steps, kept beside the benchmark that times it."""
-    spec = importlib.util.spec_from_file_location("bench_image_processor", REPO / "benchmarks" / "bench_image_processor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.original_pipeline
-
-
-original_pipeline = _load_original_pipeline()
+from original_reference import original_pipeline
 
 
 def _random_rgb(width, height, seed=0):

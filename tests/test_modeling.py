@@ -5,12 +5,13 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
+from helpers import PLACEHOLDER_ID, prompt_ids, random_images
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig, kimi_vl_a3b_config
 from modeling_kimi_vl.modeling_kimi_vl import PackedImages, merge_patches, moonvit_rotary_angles
+from original_reference import original_resize
 
 RTOL = 1e-4  # what the original code's own float32 arithmetic allows (fixture README)
 
@@ -19,22 +20,6 @@ def assert_close(actual, expected, rtol=RTOL):
     scale = expected.abs().max().clamp_min(1e-6)
     error = (actual - expected).abs().max() / scale
     assert error <= rtol, f"relative error {error:.3e} > {rtol}"
-
-
-def random_images(grids, seed=0, dtype=torch.float32):
-    """pixel_values and image_grid_hws for images with the given (rows, cols) patch grids."""
-    generator = torch.Generator().manual_seed(seed)
-    num_patches = sum(rows * cols for rows, cols in grids)
-    pixel_values = torch.randn(num_patches, 3, 14, 14, generator=generator).to(dtype)
-    return pixel_values, torch.tensor(grids, dtype=torch.long)
-
-
-def prompt_with_images(grids, text_ids=(5, 6, 7), placeholder=300):
-    """Token ids with one run of rows*cols/4 placeholders per image, text between them."""
-    ids = []
-    for rows, cols in grids:
-        ids += list(text_ids) + [placeholder] * (rows * cols // 4)
-    return ids + list(text_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,7 +156,7 @@ def test_greedy_generate_matches_reference(reference_model, expected, cache_impl
 
 def test_batched_left_padded_multi_image_generate_equals_one_by_one(reference_model):
     grids_per_prompt = [[(4, 6), (2, 2)], [], [(6, 4)]]
-    prompts = [prompt_with_images(grids, text_ids=(5 + i, 6, 7)) for i, grids in enumerate(grids_per_prompt)]
+    prompts = [prompt_ids(grids, text=(5 + i, 6, 7)) for i, grids in enumerate(grids_per_prompt)]
     images = [random_images(grids, seed=i) if grids else (None, None) for i, grids in enumerate(grids_per_prompt)]
 
     one_by_one = []
@@ -338,12 +323,6 @@ def test_eager_vision_tower_records_attention_per_image_and_get_image_features_p
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def original_resize(table: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The release's resize, called on every forward: 2-D bicubic interpolation of the whole table."""
-    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(rows, cols), mode="bicubic", align_corners=False)
-    return resized[0].permute(1, 2, 0).flatten(0, 1)
-
-
 def test_position_resize_equals_bicubic_interpolation(reference_checkpoint):
     pos_emb = vision_tower_with(reference_checkpoint, "sdpa").patch_embed.pos_emb
     height, width = pos_emb.weight.shape[:2]
@@ -416,9 +395,9 @@ def test_training_backward_through_vision_projector_and_moe(reference_checkpoint
         assert model.vision_tower.encoder.blocks[0].gradient_checkpointing
     grids = [(4, 6), (2, 2)]
     pixel_values, grid_hws = random_images(grids)
-    input_ids = torch.tensor([prompt_with_images(grids)])
+    input_ids = torch.tensor([prompt_ids(grids)])
     labels = input_ids.clone()
-    labels[input_ids == 300] = -100
+    labels[input_ids == PLACEHOLDER_ID] = -100
     output = model(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws, labels=labels)
     assert torch.isfinite(output.loss)
     output.loss.backward()
@@ -483,10 +462,10 @@ def test_rotary_math_runs_in_float32():
 
 @torch.no_grad()
 def test_placeholder_mask_from_ids_equals_the_one_from_embeddings(reference_model):
-    input_ids = torch.tensor([prompt_with_images([(4, 6)]), [5] * 3 + [300] * 6 + [6] * 3])
+    input_ids = torch.tensor([prompt_ids([(4, 6)]), [5] * 3 + [PLACEHOLDER_ID] * 6 + [6] * 3])
     from_ids = reference_model.get_placeholder_mask(input_ids, None)
     assert from_ids.shape == (2, 12, 1) and from_ids.dtype == torch.bool
-    assert from_ids.squeeze(-1).tolist() == (input_ids == 300).tolist()
+    assert from_ids.squeeze(-1).tolist() == (input_ids == PLACEHOLDER_ID).tolist()
     inputs_embeds = reference_model.get_input_embeddings()(input_ids)
     assert torch.equal(reference_model.get_placeholder_mask(None, inputs_embeds), from_ids)
     features = torch.zeros(12, inputs_embeds.shape[-1])
@@ -524,7 +503,7 @@ def test_pixel_values_without_grids_is_an_error(reference_model):
 def test_num_return_sequences_repeats_each_prompts_images(reference_model):
     """generate() expands the batch for num_return_sequences; the packed images must follow their prompt."""
     grids_per_prompt = [[(4, 6), (2, 2)], [(6, 4)]]
-    prompts = [prompt_with_images(grids, text_ids=(5 + i, 6, 7)) for i, grids in enumerate(grids_per_prompt)]
+    prompts = [prompt_ids(grids, text=(5 + i, 6, 7)) for i, grids in enumerate(grids_per_prompt)]
     images = [random_images(grids, seed=i) for i, grids in enumerate(grids_per_prompt)]
     width = max(map(len, prompts))
     inputs = dict(
@@ -559,7 +538,7 @@ def test_pixel_values_of_the_wrong_shape_are_explained(reference_model):
 def test_num_return_sequences_with_inputs_embeds_repeats_images_too(reference_model):
     grids = [(4, 6)]
     pixel_values, grid_hws = random_images(grids)
-    input_ids = torch.tensor([prompt_with_images(grids)])
+    input_ids = torch.tensor([prompt_ids(grids)])
     settings = dict(max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=2, pad_token_id=0)
     via_ids = reference_model.generate(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings)
     inputs_embeds = reference_model.get_input_embeddings()(input_ids)
@@ -571,7 +550,7 @@ def test_num_return_sequences_with_inputs_embeds_repeats_images_too(reference_mo
 
 def test_expanded_generation_validates_the_grids(reference_model):
     pixel_values, _ = random_images([(4, 6)])
-    input_ids = torch.tensor([prompt_with_images([(4, 6)])])
+    input_ids = torch.tensor([prompt_ids([(4, 6)])])
     with pytest.raises(ValueError, match="24 patches but image_grid_hws describes 16"):
         reference_model.generate(
             input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=torch.tensor([[4, 4]]),

@@ -8,21 +8,13 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from image_processing import KimiVLImageProcessor, KimiVLProcessor, KimiVLTokenizer, split_thinking, write_tiny_tokenizer
-from image_processing.transformers_compat_processing import SANITIZING_SUPPORTED
-
-# transformers' sanitize_control_tokens (5.24; not in 5.17 and 5.18, where it is refused: tested below).
-needs_sanitizing = pytest.mark.skipif(not SANITIZING_SUPPORTED, reason="this transformers has no sanitize_control_tokens")
+from helpers import PLACEHOLDER_ID, needs_sanitizing
+from image_processing import KimiVLImageProcessor, KimiVLProcessor, KimiVLTokenizer, split_thinking
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return KimiVLProcessor(KimiVLImageProcessor(in_token_limit=64), KimiVLTokenizer.from_pretrained(tiny_dir))
+def processor(tiny_tokenizer_dir):
+    return KimiVLProcessor(KimiVLImageProcessor(in_token_limit=64), KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir))
 
 
 IMAGE = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"
@@ -96,7 +88,7 @@ def test_fixture_processor_outputs(processor, reference_dir, expected):
     assert torch.equal(inputs["image_grid_hws"], expected["image_grid_hws"])
     reference_runs = _placeholder_runs(expected["mm_input_ids"][0].tolist(), 300)
     assert _placeholder_runs(inputs["input_ids"][0].tolist(), processor.image_token_id) == reference_runs
-    assert processor.image_token_id == 300
+    assert processor.image_token_id == PLACEHOLDER_ID
 
 
 def test_batch_padding_left_and_right(processor):
@@ -143,11 +135,11 @@ def test_images_given_per_prompt_must_match_each_prompt(processor):
     assert [row.count(processor.image_token_id) for row in across["input_ids"].tolist()] == [1, 2]
 
 
-def test_tokenizer_without_the_image_token_is_rejected(tiny_dir):
-    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+def test_tokenizer_without_the_image_token_is_rejected(tiny_tokenizer_dir):
+    config = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
     without_pad = {i: t for i, t in config["added_tokens_decoder"].items() if t["content"] != "<|media_pad|>"}
     tokenizer = KimiVLTokenizer(
-        str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=without_pad
+        str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=without_pad
     )
     with pytest.raises(ValueError, match=r"The tokenizer \(KimiVLTokenizer\) has no <\|media_pad\|> token"):
         KimiVLProcessor(KimiVLImageProcessor(), tokenizer)
@@ -155,10 +147,10 @@ def test_tokenizer_without_the_image_token_is_rejected(tiny_dir):
         KimiVLProcessor(KimiVLImageProcessor(), None)
 
 
-def test_bad_text_and_unmergeable_grid_are_explained(processor, tiny_dir):
+def test_bad_text_and_unmergeable_grid_are_explained(processor, tiny_tokenizer_dir):
     with pytest.raises(ValueError, match="`text` must be a string or a non-empty list of strings"):
         processor(text=[1, 2])
-    cropping = KimiVLProcessor(KimiVLImageProcessor(pad_input=False), KimiVLTokenizer.from_pretrained(tiny_dir))
+    cropping = KimiVLProcessor(KimiVLImageProcessor(pad_input=False), KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir))
     with pytest.raises(ValueError, match="3x5 patch grid, not divisible by the 2x2 merge kernel"):
         cropping(text=IMAGE, images=Image.new("RGB", (70, 42)))
 
@@ -182,7 +174,7 @@ HUB_PREPROCESSOR_CONFIG = {"in_token_limit": 4096, "patch_size": 14, "merge_kern
 
 
 @pytest.mark.parametrize("layout", ["saved_by_save_pretrained", "hub_preprocessor_config"])
-def test_from_pretrained_routes_image_settings_to_the_image_processor(layout, processor, tiny_dir, tmp_path):
+def test_from_pretrained_routes_image_settings_to_the_image_processor(layout, processor, tiny_tokenizer_dir, tmp_path):
     if layout == "saved_by_save_pretrained":
         KimiVLProcessor(KimiVLImageProcessor(), processor.tokenizer).save_pretrained(tmp_path)
     else:  # the released repository's layout: tokenizer files plus preprocessor_config.json
@@ -242,8 +234,8 @@ def test_text_given_directly_keeps_its_control_tokens(processor):
     assert ids.count(processor.image_token_id) == 1
 
 
-def test_a_tokenizer_that_splits_special_tokens_cannot_take_images(tiny_dir):
-    tokenizer = KimiVLTokenizer.from_pretrained(tiny_dir, split_special_tokens=True)
+def test_a_tokenizer_that_splits_special_tokens_cannot_take_images(tiny_tokenizer_dir):
+    tokenizer = KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir, split_special_tokens=True)
     splitting = KimiVLProcessor(KimiVLImageProcessor(), tokenizer)
     with pytest.raises(ValueError, match=r"Mismatch in `image` token count between text and `input_ids`"):
         splitting(text=IMAGE, images=Image.new("RGB", (28, 28)))

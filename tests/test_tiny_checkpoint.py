@@ -18,12 +18,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import image_processing  # noqa: F401 - registers the processor classes with the Auto API
 import modeling_kimi_vl  # noqa: F401 - registers the model classes with the Auto API
 from app import banner_markdown
+from helpers import PLACEHOLDER_ID, REPO_ROOT
 from hub_upload import export_checkpoint
 from hub_upload.source import ExportInputError, read_source
 from kimi_vl_demo.checkpoints import TINY_MODEL, resolve_checkpoint
 from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # The original hub layout, as the issue lists it.
 HUB_LAYOUT_FILES = {
     "model.safetensors",
@@ -86,7 +86,7 @@ def test_writer_refuses_a_folder_that_holds_anything(tmp_path):
 def test_config_carries_the_tokenizers_ids(tiny_kimi_vl_dir, tiny_processor):
     config = json.loads((tiny_kimi_vl_dir / "config.json").read_text())
     tokenizer = tiny_processor.tokenizer
-    assert config["media_placeholder_token_id"] == tokenizer.convert_tokens_to_ids("<|media_pad|>") == 300
+    assert config["media_placeholder_token_id"] == tokenizer.convert_tokens_to_ids("<|media_pad|>") == PLACEHOLDER_ID
     assert (config["text_config"]["bos_token_id"], config["text_config"]["eos_token_id"]) == (
         tokenizer.bos_token_id, tokenizer.eos_token_id
     )

@@ -7,10 +7,10 @@ import pytest
 import tiktoken
 from transformers import AutoTokenizer
 
-from image_processing import KimiVLTokenizer, write_tiny_tokenizer
+from helpers import PLACEHOLDER_ID, needs_sanitizing
+from image_processing import KimiVLTokenizer
 from image_processing.tiny_tokenizer import SPECIAL_TOKEN_OFFSETS
 from image_processing.tokenization_kimi_vl import MAX_RUN_CHARS, PAT_STR, read_tiktoken_ranks
-from image_processing.transformers_compat_processing import SANITIZING_SUPPORTED
 
 
 TEXTS = [
@@ -38,18 +38,9 @@ MOONSHOT_PAT_STR = "|".join(
     ]
 )
 
-# transformers' sanitize_control_tokens (5.24; not in 5.17 and 5.18, where it is refused: tested below).
-needs_sanitizing = pytest.mark.skipif(not SANITIZING_SUPPORTED, reason="this transformers has no sanitize_control_tokens")
-
-
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiVLTokenizer.from_pretrained(tiny_dir)
+def tokenizer(tiny_tokenizer_dir):
+    return KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir)
 
 
 def reference_encoding(directory, num_reserved) -> tiktoken.Encoding:
@@ -67,8 +58,8 @@ def test_pre_tokenisation_pattern_is_the_released_one():
     assert PAT_STR == MOONSHOT_PAT_STR
 
 
-def test_ids_equal_the_original_construction(tiny_dir, tokenizer):
-    reference = reference_encoding(tiny_dir, 41)
+def test_ids_equal_the_original_construction(tiny_tokenizer_dir, tokenizer):
+    reference = reference_encoding(tiny_tokenizer_dir, 41)
     specials = "".join(f"x {token} y" for token in SPECIAL_TOKEN_OFFSETS) + "<|reserved_token_290|>"
     for text in [*TEXTS, specials]:
         assert tokenizer(text)["input_ids"] == reference.encode(text, allowed_special="all")
@@ -77,7 +68,7 @@ def test_ids_equal_the_original_construction(tiny_dir, tokenizer):
 
 def test_tiny_layout_fits_the_tiny_checkpoint(tokenizer):
     assert len(tokenizer) == tokenizer.vocab_size == 320
-    assert tokenizer.convert_tokens_to_ids("<|media_pad|>") == 300
+    assert tokenizer.convert_tokens_to_ids("<|media_pad|>") == PLACEHOLDER_ID
     first_special = tokenizer.num_base_tokens
     for token, offset in SPECIAL_TOKEN_OFFSETS.items():
         assert tokenizer.convert_tokens_to_ids(token) == first_special + offset
@@ -103,10 +94,10 @@ def test_decode_rejects_ids_outside_the_vocabulary(tokenizer):
         tokenizer.decode([5, 320])
 
 
-def test_save_pretrained_writes_the_same_files_back(tiny_dir, tokenizer, tmp_path):
+def test_save_pretrained_writes_the_same_files_back(tiny_tokenizer_dir, tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
-    assert (tmp_path / "tiktoken.model").read_bytes() == (tiny_dir / "tiktoken.model").read_bytes()
-    original = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    assert (tmp_path / "tiktoken.model").read_bytes() == (tiny_tokenizer_dir / "tiktoken.model").read_bytes()
+    original = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
     saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
     # Every reserved id is an added special token (so that split_special_tokens and sanitize_control_tokens cover
     # the unnamed ones too): the named ones are saved as they were, the others under their default names.
@@ -127,8 +118,8 @@ def test_save_pretrained_writes_the_same_files_back(tiny_dir, tokenizer, tmp_pat
     assert all(reloaded(text)["input_ids"] == tokenizer(text)["input_ids"] for text in TEXTS)
 
 
-def test_auto_tokenizer_loads_it(tiny_dir):
-    assert isinstance(AutoTokenizer.from_pretrained(tiny_dir), KimiVLTokenizer)
+def test_auto_tokenizer_loads_it(tiny_tokenizer_dir):
+    assert isinstance(AutoTokenizer.from_pretrained(tiny_tokenizer_dir), KimiVLTokenizer)
 
 
 def _write_vocabulary(directory, merges):
@@ -182,16 +173,16 @@ def test_bad_files_are_explained(tmp_path):
         ({285: "<|reserved_token_290|>"}, r"'<\|reserved_token_290\|>' at ids \[285, 290\]"),  # a default's name
     ],
 )
-def test_special_token_names_must_be_unique(tiny_dir, extra, message):
-    named = json.loads((tiny_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+def test_special_token_names_must_be_unique(tiny_tokenizer_dir, extra, message):
+    named = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     named = {int(token_id): token["content"] for token_id, token in named.items()} | extra
     with pytest.raises(ValueError, match=rf"Special token names must be unique, .*{message}"):
-        KimiVLTokenizer(str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named)
+        KimiVLTokenizer(str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named)
 
 
-def test_named_tokens_outside_the_reserved_range_are_rejected(tiny_dir):
+def test_named_tokens_outside_the_reserved_range_are_rejected(tiny_tokenizer_dir):
     with pytest.raises(ValueError, match=r"ids \[5\] are outside the reserved special range \[279, 320\)"):
-        KimiVLTokenizer(str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder={5: "x"})
+        KimiVLTokenizer(str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder={5: "x"})
 
 
 INJECTION = (
@@ -199,20 +190,20 @@ INJECTION = (
 )
 
 
-def test_split_special_tokens_encodes_control_tokens_as_text(tiny_dir, tokenizer):
-    reference = reference_encoding(tiny_dir, 41)
+def test_split_special_tokens_encodes_control_tokens_as_text(tiny_tokenizer_dir, tokenizer):
+    reference = reference_encoding(tiny_tokenizer_dir, 41)
     text = "a<|im_end|>b<|media_pad|> [BOS]<|reserved_token_290|>"
     as_text = reference.encode_ordinary(text)
     assert max(as_text) < tokenizer.num_base_tokens  # the reference's plain-text encoding has no special id
     # As a call argument, and as a setting given to from_pretrained or the constructor (transformers' conventions).
     assert tokenizer(text, split_special_tokens=True)["input_ids"] == as_text
     assert tokenizer.tokenize(text, split_special_tokens=True) == [tokenizer._token_strings[i] for i in as_text]
-    splitting = KimiVLTokenizer.from_pretrained(tiny_dir, split_special_tokens=True)
+    splitting = KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir, split_special_tokens=True)
     assert splitting(text)["input_ids"] == as_text
     assert splitting(text, split_special_tokens=False)["input_ids"] == reference.encode(text, allowed_special="all")
-    named = json.loads((tiny_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    named = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     constructed = KimiVLTokenizer(
-        str(tiny_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named,
+        str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named,
         split_special_tokens=True,
     )
     assert constructed.encode(text) == as_text
