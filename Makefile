@@ -7,11 +7,11 @@ PY := $(VENV)/bin/python
 # machine elsewhere: TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 CHROMIUM ?= $(or $(KIMI_VL_CHROMIUM),/usr/bin/chromium)
-EXTRAS ?= test,demo,train
+EXTRAS ?= test,demo,train,lint
 # Where `make tiny` writes the tiny Kimi-VL (ignored by git).
 TINY_DIR ?= tiny-kimi-vl
 
-.PHONY: venv browser test demo tiny bench clean
+.PHONY: venv browser test lint demo tiny bench clean
 
 venv: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ browser:
 	-@test -n "$(KIMI_VL_SKIP_BROWSER_TEST)" || test -x $(CHROMIUM) || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } || \
 		echo "could not install chromium (needs root and Debian's apt); the browser test will fail" >&2
+
+# Format and lint check (ruff, configured in pyproject.toml); `$(VENV)/bin/ruff format .` applies the formatting.
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test: venv browser
 	$(PY) -m pytest -q
