@@ -216,28 +216,43 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"hub id or local folder (default {DEFAULT_MODEL}); '{TINY_MODEL}': the tiny demo model")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"hub id or local folder (default {DEFAULT_MODEL}); '{TINY_MODEL}': the tiny demo model",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also publish a temporary public gradio.live link")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on CUDA, float32 on CPU"
+    )
     parser.add_argument("--quantize", choices=KimiVLWeightOnlyConfig.SCHEMES,
                         help="load the language model's weights as int8 (per channel; Kimi-VL-A3B fits a 24 GB GPU) or "
                              "int4 (groups of 128 inputs)")  # fmt: skip
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
-    parser.add_argument("--max-conversation-image-mb", type=float, default=512.0,
-                        help="most memory the images of one conversation may take once prepared for the model; each "
-                             "image is decoded once and kept as pixel values for the following turns (default 512)")
+    parser.add_argument(
+        "--max-conversation-image-mb",
+        type=float,
+        default=512.0,
+        help="most memory the images of one conversation may take once prepared for the model; each "
+        "image is decoded once and kept as pixel values for the following turns (default 512)",
+    )
     parser.add_argument("--queue-size", type=int, default=16, help="most requests waiting for the model (default 16)")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="never end an answer at the end-of-turn token: every answer runs until Stop or the max new "
-                             "tokens setting (for measuring speed at a fixed length, and for the demo's Stop test)")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                        help=f"where the tiny demo checkpoint is built (default {DEFAULT_CACHE_DIR})")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="never end an answer at the end-of-turn token: every answer runs until Stop or the max new "
+        "tokens setting (for measuring speed at a fixed length, and for the demo's Stop test)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help=f"where the tiny demo checkpoint is built (default {DEFAULT_CACHE_DIR})",
+    )
     args = parser.parse_args(argv)
     for name in ("max_image_mb", "max_images", "max_conversation_image_mb", "queue_size"):
         if getattr(args, name) <= 0:

@@ -1,7 +1,8 @@
 """Resident memory of the demo's queued handler over a multi-image conversation, against one image's decoded size.
 
 The claim to check: the handler holds about one decoded image at a time, not the conversation's images, and hands the
-memory back when a turn ends. `answer_turn` (kimi_vl_demo/engine.py, what the Gradio handler runs) answers a conversation of TURNS turns
+memory back when a turn ends. `answer_turn` (kimi_vl_demo/engine.py, what the Gradio handler runs) answers a
+conversation of TURNS turns
 with IMAGES_PER_TURN large PNGs each (6000 x 6000, a few hundred KB each, well under Pillow's pixel limit), with the
 tiny demo model on the CPU; its steps are run from a thread pool, as Gradio runs a handler. Per turn: the process's
 peak resident memory during the turn (VmHWM, reset before the turn through /proc/self/clear_refs) and its resident

@@ -7,7 +7,8 @@ files), then exported twice with --no-verify:
 with a shard size below the model size and with the default 5GB (one shard = the whole model). Each export runs in
 its own process; its peak RSS is the kernel's high-water mark of that process (VmHWM, read as it exits; unlike wait4's
 ru_maxrss it does not include the parent's memory inherited at fork). The baseline is the same command on the tiny
-Kimi-VL folder (`make tiny`, 1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest shard.
+Kimi-VL folder (`make tiny`, 1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest
+shard.
 
     python -m benchmarks.bench_hub_export_memory [--workdir /tmp/kimi-vl-export-bench]
 """
@@ -31,7 +32,10 @@ from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
 
 # What the wide checkpoint takes over from the tiny folder unchanged.
 TOKENIZER_AND_PROCESSOR_FILES = (
-    "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
 )
 WIDE_MLP = {"intermediate_size": 2**19, "num_hidden_layers": 5, "first_k_dense_replace": 5}
 SOURCE_SHARDS = 4

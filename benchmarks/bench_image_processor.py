@@ -22,8 +22,18 @@ def benchmark_images() -> list[Image.Image]:
     """A fixed mix of typical VLM inputs: photos, screenshots, documents, a few needing downscaling."""
     rng = np.random.default_rng(0)
     sizes = [
-        (224, 224), (336, 448), (640, 480), (800, 600), (1024, 768), (768, 1024),
-        (500, 375), (1000, 700), (896, 896), (1200, 800), (300, 1100), (1920, 1080),
+        (224, 224),
+        (336, 448),
+        (640, 480),
+        (800, 600),
+        (1024, 768),
+        (768, 1024),
+        (500, 375),
+        (1000, 700),
+        (896, 896),
+        (1200, 800),
+        (300, 1100),
+        (1920, 1080),
     ]
     images = []
     for width, height in sizes:

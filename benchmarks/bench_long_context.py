@@ -71,7 +71,7 @@ PRESETS = {
 
 
 def build_model(size: str, device: str, dtype: torch.dtype):
-    """"a3b_attention": bench_generate.py's small model with Kimi-VL-A3B's attention sizes, 2 text layers and 8
+    """ "a3b_attention": bench_generate.py's small model with Kimi-VL-A3B's attention sizes, 2 text layers and 8
     experts top 2 (the model of the issue's measurements); "full" / "small": bench_generate.py's models. Random
     weights."""
     from modeling_kimi_vl import KimiVLConfig

@@ -70,7 +70,12 @@ def main() -> None:
     path = write_result(
         f"bench_vision_{args.device}",
         {
-            "config": {"layers": args.layers, "grids": MIXED_GRIDS, "patches": pixel_values.shape[0], "dtype": args.dtype},
+            "config": {
+                "layers": args.layers,
+                "grids": MIXED_GRIDS,
+                "patches": pixel_values.shape[0],
+                "dtype": args.dtype,
+            },
             "seconds": {name: seconds for name, seconds in rows},
             "speedup_packed_vs_one_at_a_time": one_at_a_time_seconds / packed_seconds,
             "speedup_position_resize_vs_original": original_resize_seconds / packed_seconds,

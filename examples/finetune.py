@@ -40,7 +40,8 @@ DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 1e-5}
 # TrainingArguments' gradient_checkpointing* are activation_checkpointing* in transformers 5.24 (the old names warn);
 # older 5.x releases have only the old names.
 CHECKPOINTING_ARGUMENT = next(
-    name for name in ("activation_checkpointing", "gradient_checkpointing")
+    name
+    for name in ("activation_checkpointing", "gradient_checkpointing")
     if name in {field.name for field in dataclasses.fields(TrainingArguments)}
 )
 
@@ -163,22 +164,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, help="optimizer steps to run (overrides --epochs)")
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
-    parser.add_argument("--learning-rate", type=float,
-                        help=f"default {DEFAULT_LEARNING_RATE['lora']} (LoRA), {DEFAULT_LEARNING_RATE['full']} (full)")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        help=f"default {DEFAULT_LEARNING_RATE['lora']} (LoRA), {DEFAULT_LEARNING_RATE['full']} (full)",
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="conversations per device per step (default 1)")
     parser.add_argument("--gradient-accumulation", type=int, default=1, help="steps accumulated per update")
-    parser.add_argument("--max-length", type=int,
-                        help="longest conversation in tokens, images included (default: the model's context); "
-                             "longer ones are bad examples, never truncated")
-    parser.add_argument("--bf16", action="store_true",
-                        help="bfloat16 mixed precision; with LoRA the frozen base weights are also stored in bfloat16")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        help="longest conversation in tokens, images included (default: the model's context); "
+        "longer ones are bad examples, never truncated",
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 mixed precision; with LoRA the frozen base weights are also stored in bfloat16",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--lora-experts", action="store_true", help="LoRA on the routed experts too")
     parser.add_argument("--train-projector", action="store_true", help="also train the image projector fully")
-    parser.add_argument("--skip-bad-examples", action="store_true",
-                        help="skip bad examples (reported with their line numbers) instead of stopping")
+    parser.add_argument(
+        "--skip-bad-examples",
+        action="store_true",
+        help="skip bad examples (reported with their line numbers) instead of stopping",
+    )
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--save-steps", type=int, default=500, help="checkpoint (and evaluation) interval")
@@ -187,8 +200,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.merge and args.full:
         parser.error("--merge folds a LoRA adapter into the model; --full already saves the whole model")
-    for name in ("max_steps", "batch_size", "gradient_accumulation", "max_length", "lora_rank", "logging_steps",
-                 "save_steps"):
+    for name in (
+        "max_steps",
+        "batch_size",
+        "gradient_accumulation",
+        "max_length",
+        "lora_rank",
+        "logging_steps",
+        "save_steps",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {trainable:,} | {row['weights']:.1f} | {row['gradients']:.2f} | {row['adam']:.2f} | "
               f"{total:.1f} | {total + activations:.1f} |")  # fmt: skip
     listing = ", ".join(f"{part} {size / 1e3:.0f} KB" for part, size in per_token.items())
-    print(f"\nactivations per token (estimate, gradient checkpointing): {listing}; "
-          f"{activations:.1f} GB for {args.tokens} tokens per device")
+    print(
+        f"\nactivations per token (estimate, gradient checkpointing): {listing}; "
+        f"{activations:.1f} GB for {args.tokens} tokens per device"
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from .tiny_tokenizer import write_tiny_tokenizer
 from .tokenization_kimi_vl import KimiVLTokenizer
 from .transformers_compat_processing import SANITIZING_SUPPORTED, register_auto_image_processor
 
-
 MODEL_TYPE = "kimi_vl"
 
 

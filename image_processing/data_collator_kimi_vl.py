@@ -19,7 +19,6 @@ from transformers.image_utils import load_image
 
 from .processing_kimi_vl import KimiVLProcessor
 
-
 IGNORE_INDEX = -100  # the label the loss skips (transformers' convention)
 URL_PREFIXES = ("http://", "https://")
 
@@ -44,7 +43,7 @@ def chat_images(messages: Sequence[dict]) -> list:
                 if "image" not in item:
                     raise ValueError(
                         f"an image item of a {message.get('role')} turn has no 'image' key (got keys "
-                        f"{sorted(item)}); write {{\"type\": \"image\", \"image\": \"path/or/url\"}}."
+                        f'{sorted(item)}); write {{"type": "image", "image": "path/or/url"}}.'
                     )
                 images.append(item["image"])
     return images

@@ -39,7 +39,6 @@ from transformers.image_utils import ChannelDimension
 from transformers.processing_utils import ImagesKwargs
 from transformers.utils import logging
 
-
 logger = logging.get_logger(__name__)
 
 SETTING_NAMES = ("in_token_limit", "pad_input", "patch_size", "merge_kernel_size", "image_mean", "image_std")
@@ -221,12 +220,16 @@ class KimiVLImageProcessor(BaseImageProcessor):
     def _settings(self, **overrides) -> dict:
         """This processor's settings with the given per-call values (None means: keep the attribute), validated
         and normalised by `_checked_settings`."""
-        settings = {name: getattr(self, name) if overrides.get(name) is None else overrides[name] for name in SETTING_NAMES}
+        settings = {
+            name: getattr(self, name) if overrides.get(name) is None else overrides[name] for name in SETTING_NAMES
+        }
         return _checked_settings(settings)
 
     def get_image_grid_hw(self, height: int, width: int, images_kwargs: dict | None = None) -> tuple[int, int]:
         """(rows, columns) of patches for an image of `height` x `width` pixels, without processing it."""
-        settings = self._settings(**{name: value for name, value in (images_kwargs or {}).items() if name in SETTING_NAMES})
+        settings = self._settings(
+            **{name: value for name, value in (images_kwargs or {}).items() if name in SETTING_NAMES}
+        )
         return _geometry_from(settings).grid_hw(width, height)
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: dict | None = None) -> int:
@@ -262,9 +265,7 @@ def _checked_settings(settings: dict) -> dict:
     for name in ("image_mean", "image_std"):
         values = [settings[name]] * 3 if _is_real(settings[name]) else settings[name]
         if not (isinstance(values, (list, tuple)) and len(values) == 3 and all(_is_real(v) for v in values)):
-            raise ValueError(
-                f"`{name}` must be one number or three (one per RGB channel), got {settings[name]!r}."
-            )
+            raise ValueError(f"`{name}` must be one number or three (one per RGB channel), got {settings[name]!r}.")
         settings[name] = [float(value) for value in values]
     if any(value == 0 for value in settings["image_std"]):
         raise ValueError(f"`image_std` values must be non-zero, got {settings['image_std']!r}.")

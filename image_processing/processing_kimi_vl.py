@@ -172,7 +172,8 @@ def _is_per_prompt(images) -> bool:
 
 
 def _check_images_per_prompt(placeholder_counts: list[int], images: list) -> None:
-    """Each prompt's placeholders must match its own images; equal totals could still pair images with the wrong prompt."""
+    """Each prompt's placeholders must match its own images: equal totals could still pair images with the wrong
+    prompt."""
     if len(images) != len(placeholder_counts):
         raise ValueError(
             f"`images` has {len(images)} per-prompt lists but `text` has {len(placeholder_counts)} prompt(s); "

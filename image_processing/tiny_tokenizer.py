@@ -12,7 +12,6 @@ import re
 from collections import Counter
 from pathlib import Path
 
-
 TINY_MERGES = 23
 TINY_RESERVED_SPECIAL_TOKENS = 41  # ids 279..319
 

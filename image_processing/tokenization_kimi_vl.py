@@ -21,7 +21,6 @@ from transformers.utils import logging
 
 from .transformers_compat_processing import refuse_unsupported_sanitizing
 
-
 logger = logging.get_logger(__name__)
 
 # Moonshot's pre-tokenisation pattern (`pat_str` of the released tokenization_moonshot.py): Han runs on their own,
@@ -202,7 +201,11 @@ class KimiVLTokenizer(PreTrainedTokenizer):
         if skip_special_tokens:
             ids = [token_id for token_id in ids if token_id < self.num_base_tokens]
         text = self._encoding.decode(ids, errors="replace")
-        if clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None else self.clean_up_tokenization_spaces:
+        if (
+            clean_up_tokenization_spaces
+            if clean_up_tokenization_spaces is not None
+            else self.clean_up_tokenization_spaces
+        ):
             text = self.clean_up_tokenization(text)
         return text
 

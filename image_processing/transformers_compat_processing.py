@@ -20,6 +20,7 @@ SANITIZING_SUPPORTED = (
     "sanitize_control_tokens" in inspect.signature(PreTrainedTokenizer.apply_chat_template).parameters
 )
 
+
 def refuse_unsupported_sanitizing(kwargs: dict) -> None:
     """Raise if `sanitize_control_tokens=True` is asked of a transformers release that cannot honour it."""
     if kwargs.get("sanitize_control_tokens") and not SANITIZING_SUPPORTED:

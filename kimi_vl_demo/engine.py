@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from transformers import StoppingCriteriaList, TextIteratorStreamer

@@ -4,10 +4,10 @@ whose message says what was wrong and what is allowed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from PIL import Image, ImageOps
 

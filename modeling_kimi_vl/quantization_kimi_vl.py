@@ -392,9 +392,7 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
                 "given): the quantized experts and linears are not sharded. Load without tensor parallelism (int8 "
                 "Kimi-VL-A3B fits one 24 GB GPU), or load the model in bf16 with tp_plan='auto'."
             )
-        replaced = replace_with_weight_only_modules(
-            model, self.scheme, self.quantization_config.modules_to_not_convert
-        )
+        replaced = replace_with_weight_only_modules(model, self.scheme, self.quantization_config.modules_to_not_convert)
         if replaced == 0:
             raise ValueError(
                 f"{QUANT_METHOD}: no language-model linear layer or experts module left to quantize with "

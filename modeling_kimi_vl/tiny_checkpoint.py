@@ -86,7 +86,9 @@ def _write_contents(folder: Path) -> None:
 
     # As on the hub: the processor class named in the image processor's config (AutoProcessor reads it there).
     image_processor = KimiVLImageProcessor(in_token_limit=TINY_IN_TOKEN_LIMIT)
-    _write_json(folder / "preprocessor_config.json", {**image_processor.to_dict(), "processor_class": "KimiVLProcessor"})
+    _write_json(
+        folder / "preprocessor_config.json", {**image_processor.to_dict(), "processor_class": "KimiVLProcessor"}
+    )
 
     pieces = [tokenizer.decode([token_id], skip_special_tokens=True) for token_id in range(len(tokenizer))]
     readable = {token_id for token_id, piece in enumerate(pieces) if piece and piece.isascii() and piece.isprintable()}
@@ -102,8 +104,10 @@ def _write_contents(folder: Path) -> None:
 
 
 # What tells the tiny architecture apart from the real one (hidden 2048, vocab 163840, 27 vision blocks, ...).
-_ARCHITECTURE_KEYS = {"text_config": ("hidden_size", "num_hidden_layers", "vocab_size"),
-                      "vision_config": ("hidden_size", "num_hidden_layers")}
+_ARCHITECTURE_KEYS = {
+    "text_config": ("hidden_size", "num_hidden_layers", "vocab_size"),
+    "vision_config": ("hidden_size", "num_hidden_layers"),
+}
 
 
 def is_tiny_kimi_vl(folder: str | Path) -> bool:

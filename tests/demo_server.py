@@ -36,8 +36,17 @@ def running_demo(work_dir: Path, *extra_args: str):
         pytest.skip("the demo needs transformers' sanitize_control_tokens (5.24), which this transformers lacks")
     port = free_loopback_port()
     log_path = work_dir / "server.log"
-    command = [sys.executable, str(REPO_ROOT / "app.py"), "--model", "tiny", "--port", str(port),
-               "--cache-dir", str(work_dir / "cache"), *extra_args]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "app.py"),
+        "--model",
+        "tiny",
+        "--port",
+        str(port),
+        "--cache-dir",
+        str(work_dir / "cache"),
+        *extra_args,
+    ]
     with open(log_path, "w") as log:
         env = {**os.environ, "GRADIO_TEMP_DIR": str(work_dir / "uploads")}
         server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 
 import torch
+from helpers import prompt_ids, random_images
 from safetensors.torch import load_file, save_file
 from transformers import DistributedConfig
 
-from helpers import prompt_ids, random_images
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
 
@@ -71,8 +71,14 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
         results[f"{prefix}.{name}.tokens"] = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         if name in STATIC_SCENARIOS:
             expansions = []
-            hooks = [layer.self_attn.kv_b_proj.register_forward_hook(lambda *args: expansions.append(1))
-                     for layer in model.language_model.model.layers]  # fmt: skip
+
+            def count_expansion(*args, expansions=expansions):
+                expansions.append(1)
+
+            hooks = [
+                layer.self_attn.kv_b_proj.register_forward_hook(count_expansion)
+                for layer in model.language_model.model.layers
+            ]
             results[f"{prefix}.{name}.static_tokens"] = model.generate(
                 **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
             )

@@ -5,15 +5,6 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
-from transformers import DynamicCache
-
-from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
-from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer
-from modeling_kimi_vl.static_steps_kimi_vl import decode_read_bucket
-from modeling_kimi_vl.transformers_compat_modeling import CACHE_ARGUMENT
-from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
-
 from test_generation_fast import (  # noqa: F401  (the `model` fixture is used by name)
     PAD_ID,
     batched_multi_image_request,
@@ -21,6 +12,14 @@ from test_generation_fast import (  # noqa: F401  (the `model` fixture is used b
     forbid_host_reads,
     model,
 )
+from torch import nn
+from transformers import DynamicCache
+
+from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+from modeling_kimi_vl.modeling_kimi_vl import ABSORBED_MAX_QUERY_LENGTH, KimiVLMLAAttention
+from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer
+from modeling_kimi_vl.static_steps_kimi_vl import decode_read_bucket
+from modeling_kimi_vl.transformers_compat_modeling import CACHE_ARGUMENT
 
 RTOL = 1e-5
 

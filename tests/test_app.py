@@ -10,13 +10,13 @@ import httpx
 import huggingface_hub
 import pytest
 import torch
+from demo_server import running_demo
 from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 from PIL import Image
 from safetensors.torch import load_file
 
 from app import banner_markdown
-from demo_server import running_demo
 from image_processing import SANITIZING_SUPPORTED
 from kimi_vl_demo.checkpoints import (
     DEFAULT_MODEL,
@@ -221,7 +221,8 @@ def test_each_image_is_decoded_once_per_conversation(engine, decodes, tmp_path):
     assert prepared.inputs["image_grid_hws"].tolist() == [[16, 16]] * 6
     assert prepared.inputs["pixel_values"].shape == (6 * 256, 3, 14, 14)
     assert [(info.name, info.width, info.height, info.tokens) for info in prepared.new_images] == [
-        ("c0.png", 448, 448, 64), ("c1.png", 448, 448, 64)
+        ("c0.png", 448, 448, 64),
+        ("c1.png", 448, 448, 64),
     ]
     assert int((prepared.inputs["input_ids"] == engine.image_placeholder_id).sum()) == 6 * 64
 

@@ -7,10 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+from demo_server import REPO_ROOT, running_demo
 from PIL import Image
 from playwright.sync_api import expect, sync_playwright
-
-from demo_server import REPO_ROOT, running_demo
 
 CHROMIUM = Path(os.environ.get("KIMI_VL_CHROMIUM", "/usr/bin/chromium"))
 OUTPUT_DIR = REPO_ROOT / "test-output"

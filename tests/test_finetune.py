@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from PIL import Image
 from safetensors import safe_open
 from transformers import Trainer
 
@@ -17,7 +16,6 @@ from examples import finetune, finetune_memory
 from image_processing import KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
 from image_processing.data_collator_kimi_vl import IGNORE_INDEX
 from modeling_kimi_vl import KimiVLForConditionalGeneration
-
 
 IMAGE_TOKEN = "<|media_pad|>"
 END = "<|im_end|>"
@@ -348,16 +346,17 @@ def test_a3b_adapter_sizes_match_the_architecture():
         + moe_layers * mlp(text.n_shared_experts * text.moe_intermediate_size)
     )
     # One rank-r pair per routed expert on each fused tensor: gate_up [E, 2I, H] and down [E, H, I].
-    experts = moe_layers * text.n_routed_experts * (
-        lora(hidden, 2 * text.moe_intermediate_size) + lora(text.moe_intermediate_size, hidden)
+    experts = (
+        moe_layers
+        * text.n_routed_experts
+        * (lora(hidden, 2 * text.moe_intermediate_size) + lora(text.moe_intermediate_size, hidden))
     )
     options = finetune_memory.choices(rank)
     assert finetune_memory.trainable_parameters(options["LoRA (default)"])[0] == expected
     assert finetune_memory.trainable_parameters(options["LoRA + --lora-experts"])[0] == expected + experts
 
 
-def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layout(tiny_kimi_vl_dir, data_dir,
-                                                                                   tmp_path):
+def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layout(tiny_kimi_vl_dir, data_dir, tmp_path):
     output = tmp_path / "full"
     finetune.main(["--model", str(tiny_kimi_vl_dir), "--data", str(data_dir / "train.jsonl"), "--output", str(output),
                    "--full", "--max-steps", "2", "--batch-size", "3", "--learning-rate", "1e-3"])  # fmt: skip

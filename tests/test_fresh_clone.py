@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO_ROOT
 
 # Tests that read tests/fixtures/ through the conftest fixtures: the model against the original code's outputs, the
@@ -43,15 +42,26 @@ def test_fixture_tests_pass_in_a_fresh_clone(tmp_path):
     # The clone's packages come first on the path, ahead of the editable install of this checkout.
     env = {**os.environ, "PYTHONPATH": str(clone)}
     imported_from = subprocess.run(
-        [sys.executable, "-c", "import modeling_kimi_vl, image_processing, hub_upload, sys; "
-         "print(*(m.__file__ for m in (modeling_kimi_vl, image_processing, hub_upload)), sep='\\n')"],
-        cwd=clone, env=env, check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import modeling_kimi_vl, image_processing, hub_upload, sys; "
+            "print(*(m.__file__ for m in (modeling_kimi_vl, image_processing, hub_upload)), sep='\\n')",
+        ],
+        cwd=clone,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert all(Path(path).is_relative_to(clone) for path in imported_from), imported_from
 
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *FIXTURE_TESTS],
-        cwd=clone, env=env, capture_output=True, text=True,
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import torch
+from helpers import prompt_ids, random_images
 from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from helpers import prompt_ids, random_images
 from image_processing import KimiVLTokenizer
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 from modeling_kimi_vl.static_cache_kimi_vl import StaticLatentLayer

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO_ROOT
+from hub_stand_in import HubStandIn
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -35,9 +37,6 @@ from hub_upload.push import check_repo_id
 from hub_upload.remote_code import MODEL_AUTO_MAP, PREPROCESSOR_AUTO_MAP, TOKENIZER_AUTO_MAP
 from hub_upload.weights import parse_size
 from image_processing.tiny_tokenizer import write_tiny_tokenizer
-
-from helpers import REPO_ROOT
-from hub_stand_in import HubStandIn
 
 # The hub's Instruct preprocessor_config.json, with its auto_map pointing at the original release's files.
 INSTRUCT_PREPROCESSOR_CONFIG = {
@@ -154,7 +153,9 @@ def test_release_folder_loads_with_our_package_and_no_remote_code(source, refere
     assert type(processor).__name__ == "KimiVLProcessor" and type(processor.tokenizer).__name__ == "KimiVLTokenizer"
 
     image_path = reference_dir / "images" / "rgb_420x280.png"
-    messages = [{"role": "user", "content": [{"type": "image", "image": str(image_path)}, {"type": "text", "text": "hi"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": str(image_path)}, {"type": "text", "text": "hi"}]}
+    ]
     inputs = processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt"
     )
@@ -184,7 +185,9 @@ def test_export_contents(exported, source):
         assert "from modeling_kimi_vl" not in code and "from image_processing" not in code
     card = ModelCard.load(exported / "README.md")  # YAML front matter, as the Hub reads it
     assert (card.data.license, card.data.library_name, card.data.pipeline_tag) == (
-        "mit", "transformers", "image-text-to-text"
+        "mit",
+        "transformers",
+        "image-text-to-text",
     )
     assert card.data.tags == ["kimi_vl", "custom_code"]
     assert "trust_remote_code=True" in card.text and "torchrun" in card.text
@@ -611,7 +614,9 @@ def test_an_aside_folder_that_is_not_a_complete_export_is_not_put_back(exported,
     out, aside = tmp_path / "out", tmp_path / ".out.kimi-vl-export-old-0123abcd"
     shutil.copytree(exported, aside / "out")
     (aside / "out" / "config.json").unlink()
-    with pytest.warns(UserWarning, match=rf"{re.escape(str(aside))} is left by an interrupted export .*\(config.json is missing\)"):
+    with pytest.warns(
+        UserWarning, match=rf"{re.escape(str(aside))} is left by an interrupted export .*\(config.json is missing\)"
+    ):
         export_checkpoint(source, out, verify=False)
     assert check_export_folder(out) == []  # a new export; the incomplete old one stays where it was
     assert leftovers(tmp_path) == [aside.name] and (aside / "out" / "model.safetensors.index.json").is_file()

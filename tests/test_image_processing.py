@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from original_reference import original_pipeline
 from PIL import Image
 from transformers.image_utils import ChannelDimension
 from transformers.utils.logging import warning_once
 
 from image_processing import KimiVLImageProcessor, image_processing_kimi_vl
 from image_processing.image_processing_kimi_vl import accepted_preprocess_kwargs
-from original_reference import original_pipeline
 
 
 def _random_rgb(width, height, seed=0):
@@ -37,7 +37,9 @@ def _assert_same_as_original(images, **settings):
 
 @pytest.mark.parametrize("name", ["rgb_84x168", "rgb_420x280", "rgb_700x500", "rgba_90x60"])
 def test_matches_fixture_for_every_image(name, reference_dir, improc_expected):
-    processed = KimiVLImageProcessor(in_token_limit=4096, pad_input=True)(Image.open(reference_dir / "images" / f"{name}.png"))
+    processed = KimiVLImageProcessor(in_token_limit=4096, pad_input=True)(
+        Image.open(reference_dir / "images" / f"{name}.png")
+    )
     assert torch.equal(processed["image_grid_hws"], improc_expected[name].image_grid_hws)
     assert improc_expected[name].same_pixel_values(processed["pixel_values"])
 
@@ -342,8 +344,12 @@ def test_layout_of_arrays_and_tensors_is_given_or_unambiguous():
     with pytest.raises(ValueError, match=r"shape \(4, 30, 3\), which reads as channels-first or channels-last"):
         KimiVLImageProcessor()(hwc)
     chw = hwc.permute(2, 0, 1)
-    for image, layout in [(hwc, "channels_last"), (hwc.numpy(), "channels_last"), (chw, "channels_first"),
-                          (chw.numpy(), ChannelDimension.FIRST)]:
+    for image, layout in [
+        (hwc, "channels_last"),
+        (hwc.numpy(), "channels_last"),
+        (chw, "channels_first"),
+        (chw.numpy(), ChannelDimension.FIRST),
+    ]:
         assert torch.equal(KimiVLImageProcessor()(image, input_data_format=layout)["pixel_values"], expected)
     # Unambiguous shapes need no input_data_format: numpy HxWxC and torch CxHxW as before, and the other layouts.
     tall = _random_rgb(30, 20)

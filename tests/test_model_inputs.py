@@ -27,16 +27,22 @@ def _call(model, how, **inputs):
 def test_attention_mask_of_another_length_is_refused(model, how):
     input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     for mask_shape in [(2, 3), (2, 6), (1, 4)]:
-        with pytest.raises(ValueError, match=rf"attention_mask has shape \({mask_shape[0]}, {mask_shape[1]}\) but the "
-                                             r"prompt is 2 x 4 tokens"):
+        with pytest.raises(
+            ValueError,
+            match=rf"attention_mask has shape \({mask_shape[0]}, {mask_shape[1]}\) but the "
+            r"prompt is 2 x 4 tokens",
+        ):
             _call(model, how, input_ids=input_ids, attention_mask=torch.ones(mask_shape, dtype=torch.long))
 
 
 @pytest.mark.parametrize("how", ["forward", "generate", "static"])
 def test_ids_outside_the_vocabulary_are_refused(model, how):
     input_ids = torch.tensor([[5, VOCAB_SIZE, 7, -1], [9, 10, VOCAB_SIZE + 77, VOCAB_SIZE]])
-    with pytest.raises(ValueError, match=rf"3 distinct id\(s\) outside the vocabulary \[0, {VOCAB_SIZE}\), e\.g\. "
-                                         rf"\[-1, {VOCAB_SIZE}, {VOCAB_SIZE + 77}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"3 distinct id\(s\) outside the vocabulary \[0, {VOCAB_SIZE}\), e\.g\. "
+        rf"\[-1, {VOCAB_SIZE}, {VOCAB_SIZE + 77}\]",
+    ):
         _call(model, how, input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
 
 
@@ -54,7 +60,9 @@ def test_prompt_is_checked_once_not_in_decode_steps(model, how, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("how", ["forward", "generate", "static"])
 def test_cuda_ids_outside_the_vocabulary_are_an_error_not_a_device_assert(reference_checkpoint, how):
-    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, attn_implementation="sdpa").cuda().eval()
+    model = (
+        KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, attn_implementation="sdpa").cuda().eval()
+    )
     input_ids = torch.tensor([[5, VOCAB_SIZE + 1]], device="cuda")
     with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB_SIZE}\)"):
         _call(model, how, input_ids=input_ids, attention_mask=torch.ones_like(input_ids))

@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
+from helpers import PLACEHOLDER_ID, prompt_ids, random_images
+from original_reference import original_resize
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from helpers import PLACEHOLDER_ID, prompt_ids, random_images
 from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, MoonViTConfig, kimi_vl_a3b_config
 from modeling_kimi_vl.modeling_kimi_vl import PackedImages, merge_patches, moonvit_rotary_angles
-from original_reference import original_resize
 
 RTOL = 1e-4  # what the original code's own float32 arithmetic allows (fixture README)
 
@@ -185,7 +185,9 @@ def test_batched_left_padded_multi_image_generate_equals_one_by_one(reference_mo
 
 
 def vision_tower_with(reference_checkpoint, attn_implementation):
-    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, attn_implementation=attn_implementation)
+    model = KimiVLForConditionalGeneration.from_pretrained(
+        reference_checkpoint, attn_implementation=attn_implementation
+    )
     return model.vision_tower.eval()
 
 
@@ -253,6 +255,7 @@ def test_vision_blocks_do_not_read_device_tensors_back_to_the_host(reference_mod
 
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero"):
         forbid(name)
+
     def enter(*_):
         inside_block.append(True)
 
@@ -540,7 +543,9 @@ def test_num_return_sequences_with_inputs_embeds_repeats_images_too(reference_mo
     pixel_values, grid_hws = random_images(grids)
     input_ids = torch.tensor([prompt_ids(grids)])
     settings = dict(max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=2, pad_token_id=0)
-    via_ids = reference_model.generate(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings)
+    via_ids = reference_model.generate(
+        input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings
+    )
     inputs_embeds = reference_model.get_input_embeddings()(input_ids)
     via_embeds = reference_model.generate(
         inputs_embeds=inputs_embeds, pixel_values=pixel_values, image_grid_hws=grid_hws, **settings

@@ -42,6 +42,7 @@ def skip_quantized_loading_on_older_transformers(request):
     if request.node.originalname not in RUN_ON_ANY_TRANSFORMERS:
         skip_on_older_transformers()
 
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TINY_GROUP_SIZE = 16  # divides the tiny model's input sizes (32, 64, 128)
 NEW_TOKENS = 12
@@ -169,7 +170,7 @@ def test_int8_greedy_tokens_equal_float_where_the_margin_allows(reference_model,
             input_ids=prompt, **image_inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
             return_dict_in_generate=True,
         )  # fmt: skip
-        float_tokens = reference.sequences[0, prompt.shape[1]:]
+        float_tokens = reference.sequences[0, prompt.shape[1] :]
         top2 = torch.stack(reference.scores)[:, 0].topk(2, dim=-1).values
         margins = top2[:, 0] - top2[:, 1]
         # The logit deviation along the float32 path (teacher-forced: one forward over prompt + generated tokens).
@@ -194,8 +195,9 @@ def test_int8_greedy_tokens_equal_float_where_the_margin_allows(reference_model,
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_experts_implementations_agree(reference_checkpoint, expected, scheme):
     logits = {
-        implementation: fixture_logits(load_quantized(reference_checkpoint, scheme,
-                                                      experts_implementation=implementation), expected)  # fmt: skip
+        implementation: fixture_logits(
+            load_quantized(reference_checkpoint, scheme, experts_implementation=implementation), expected
+        )  # fmt: skip
         for implementation in ("eager", "batched_mm", "grouped_mm")
     }
     torch.testing.assert_close(logits["batched_mm"], logits["eager"], rtol=1e-5, atol=1e-5)
@@ -217,8 +219,8 @@ def test_quantized_experts_do_not_read_device_tensors_back_to_the_host(
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero"):
             original = getattr(torch.Tensor, name)
 
-            def guarded(self, *args, _original=original, _name=name, **kwargs):
-                if inside:
+            def guarded(self, *args, _original=original, _name=name, _inside=inside, **kwargs):
+                if _inside:
                     raise AssertionError(f"Tensor.{_name}() called inside the quantized experts")
                 return _original(self, *args, **kwargs)
 

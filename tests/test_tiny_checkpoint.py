@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PLACEHOLDER_ID, REPO_ROOT
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import image_processing  # noqa: F401 - registers the processor classes with the Auto API
 import modeling_kimi_vl  # noqa: F401 - registers the model classes with the Auto API
 from app import banner_markdown
-from helpers import PLACEHOLDER_ID, REPO_ROOT
 from hub_upload import export_checkpoint
 from hub_upload.source import ExportInputError, read_source
 from kimi_vl_demo.checkpoints import TINY_MODEL, resolve_checkpoint
@@ -54,7 +54,7 @@ def tiny_processor(tiny_kimi_vl_dir):
     return AutoProcessor.from_pretrained(tiny_kimi_vl_dir)
 
 
-# --- writing it --------------------------------------------------------------------------------------------------------
+# --- writing it -------------------------------------------------------------------------------------------------------
 
 
 def test_make_tiny_writes_the_hub_layout_deterministically(tiny_kimi_vl_dir, tmp_path):
@@ -75,7 +75,9 @@ def test_writer_refuses_a_folder_that_holds_anything(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     result = subprocess.run(
         [sys.executable, "-m", "modeling_kimi_vl.tiny_checkpoint", str(tmp_path / "mine")],
-        cwd=REPO_ROOT, capture_output=True, text=True,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "already exists and is not an empty folder" in result.stderr
@@ -88,13 +90,14 @@ def test_config_carries_the_tokenizers_ids(tiny_kimi_vl_dir, tiny_processor):
     tokenizer = tiny_processor.tokenizer
     assert config["media_placeholder_token_id"] == tokenizer.convert_tokens_to_ids("<|media_pad|>") == PLACEHOLDER_ID
     assert (config["text_config"]["bos_token_id"], config["text_config"]["eos_token_id"]) == (
-        tokenizer.bos_token_id, tokenizer.eos_token_id
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
     )
     generation = json.loads((tiny_kimi_vl_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-# --- the model is the reference fixture ----------------------------------------------------------------------------------
+# --- the model is the reference fixture -------------------------------------------------------------------------------
 
 
 def test_tiny_model_is_the_reference_model(tiny_kimi_vl_dir, tiny_model, reference_checkpoint, expected):
@@ -109,12 +112,15 @@ def test_tiny_model_is_the_reference_model(tiny_kimi_vl_dir, tiny_model, referen
     torch.testing.assert_close(logits, expected["mm_logits"], rtol=1e-4, atol=1e-5)
 
 
-# --- the README's snippets, on the tiny folder ---------------------------------------------------------------------------
+# --- the README's snippets, on the tiny folder ------------------------------------------------------------------------
 
 
 def chat_inputs(processor, image_path: Path):
     messages = [
-        {"role": "user", "content": [{"type": "image", "image": str(image_path)}, {"type": "text", "text": "What is this?"}]}
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": str(image_path)}, {"type": "text", "text": "What is this?"}],
+        }
     ]
     return processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt"
@@ -133,7 +139,7 @@ def test_auto_classes_chat_template_and_generate(tiny_model, tiny_processor, ref
     plain = tiny_model.generate(**inputs, max_new_tokens=16, do_sample=False)
     static = tiny_model.generate(**inputs, max_new_tokens=16, do_sample=False, cache_implementation="static")
     assert torch.equal(plain, static)
-    new_tokens = plain[0, inputs["input_ids"].shape[1]:]
+    new_tokens = plain[0, inputs["input_ids"].shape[1] :]
     assert len(new_tokens) > 0
     # The generation config keeps the random model to readable text and the end of turn.
     answer = tiny_processor.decode(new_tokens, skip_special_tokens=True)
@@ -152,13 +158,15 @@ def test_exports_with_verification_readable_by_everyone(tiny_kimi_vl_dir, tmp_pa
     assert result.verified
     assert modes(result.folder) == {0o644} and stat.S_IMODE(result.folder.stat().st_mode) == 0o755
     exported = json.loads((result.folder / "preprocessor_config.json").read_text())
-    assert exported["in_token_limit"] == json.loads((tiny_kimi_vl_dir / "preprocessor_config.json").read_text())[
-        "in_token_limit"
-    ]
+    assert (
+        exported["in_token_limit"]
+        == json.loads((tiny_kimi_vl_dir / "preprocessor_config.json").read_text())["in_token_limit"]
+    )
 
 
 def test_save_pretrained_folder_exports(tiny_model, tiny_processor, tmp_path):
-    """A folder as transformers 5 saves it (processor_config.json, no preprocessor_config.json): a fine-tune's layout."""
+    """A folder as transformers 5 saves it (processor_config.json, no preprocessor_config.json): a fine-tune's
+    layout."""
     saved = tmp_path / "saved"
     tiny_model.save_pretrained(saved)
     tiny_processor.save_pretrained(saved)

@@ -5,13 +5,12 @@ import json
 
 import pytest
 import tiktoken
+from helpers import PLACEHOLDER_ID, needs_sanitizing
 from transformers import AutoTokenizer
 
-from helpers import PLACEHOLDER_ID, needs_sanitizing
 from image_processing import KimiVLTokenizer
 from image_processing.tiny_tokenizer import SPECIAL_TOKEN_OFFSETS
 from image_processing.tokenization_kimi_vl import MAX_RUN_CHARS, PAT_STR, read_tiktoken_ranks
-
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -37,6 +36,7 @@ MOONSHOT_PAT_STR = "|".join(
         r"""\s+""",
     ]
 )
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_tokenizer_dir):
@@ -177,12 +177,16 @@ def test_special_token_names_must_be_unique(tiny_tokenizer_dir, extra, message):
     named = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     named = {int(token_id): token["content"] for token_id, token in named.items()} | extra
     with pytest.raises(ValueError, match=rf"Special token names must be unique, .*{message}"):
-        KimiVLTokenizer(str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named)
+        KimiVLTokenizer(
+            str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named
+        )
 
 
 def test_named_tokens_outside_the_reserved_range_are_rejected(tiny_tokenizer_dir):
     with pytest.raises(ValueError, match=r"ids \[5\] are outside the reserved special range \[279, 320\)"):
-        KimiVLTokenizer(str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder={5: "x"})
+        KimiVLTokenizer(
+            str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder={5: "x"}
+        )
 
 
 INJECTION = (
@@ -203,7 +207,9 @@ def test_split_special_tokens_encodes_control_tokens_as_text(tiny_tokenizer_dir,
     assert splitting(text, split_special_tokens=False)["input_ids"] == reference.encode(text, allowed_special="all")
     named = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     constructed = KimiVLTokenizer(
-        str(tiny_tokenizer_dir / "tiktoken.model"), num_reserved_special_tokens=41, added_tokens_decoder=named,
+        str(tiny_tokenizer_dir / "tiktoken.model"),
+        num_reserved_special_tokens=41,
+        added_tokens_decoder=named,
         split_special_tokens=True,
     )
     assert constructed.encode(text) == as_text
