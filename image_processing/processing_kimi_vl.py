@@ -121,7 +121,7 @@ class KimiVLProcessor(ProcessorMixin):
     def _process_images(self, images, **kwargs):
         # One replacement per image the image processor made (its own flattening of the inputs, which takes HxW
         # arrays and mixed nesting where transformers' `make_flat_list_of_images` does not).
-        if _is_per_prompt(images) and not any(images):  # one empty list per prompt (`[[], []]`): no images
+        if not flatten_images(images):  # an empty list, or one empty list per prompt (`[[], []]`): no images
             return {}, []
         image_inputs = self.image_processor(images, **kwargs)
         image_count = len(image_inputs["image_grid_hws"])

@@ -144,6 +144,9 @@ def test_images_given_per_prompt_must_match_each_prompt(processor):
     plain = processor(text=["no image", "nor here"], return_tensors="pt")
     assert text_only.keys() == plain.keys() == {"input_ids", "attention_mask"}
     assert torch.equal(text_only["input_ids"], plain["input_ids"])
+    no_images = processor(text=["no image", "nor here"], images=[], return_tensors="pt")
+    assert no_images.keys() == plain.keys()
+    assert torch.equal(no_images["input_ids"], plain["input_ids"])
     # A flat list is matched to the placeholders in order across prompts.
     across = processor(text=[IMAGE, IMAGE], images=[first, second], return_tensors="pt")
     assert [row.count(processor.image_token_id) for row in across["input_ids"].tolist()] == [1, 2]
