@@ -254,6 +254,13 @@ def test_demo_loads_an_adapter_folder_merged(lora_run):
     torch.testing.assert_close(logits_of(model, lora_run.batch), logits_of(merged, lora_run.batch), rtol=0, atol=1e-6)
 
 
+def test_demo_serves_an_adapter_of_the_tiny_model_as_the_tiny_model(lora_run, tmp_path):
+    from kimi_vl_demo.checkpoints import resolve_checkpoint
+
+    # Its base model's kind: the tiny model's short greedy answers and its "random weights" banner.
+    assert resolve_checkpoint(str(lora_run.output), tmp_path).kind == "tiny"
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad examples
 # ----------------------------------------------------------------------------------------------------------------------
