@@ -255,7 +255,7 @@ def test_sanitized_chat_keeps_typed_control_tokens_as_text(processor):
     )
     assert processor.image_token_id not in inputs["input_ids"][0].tolist() and "pixel_values" not in inputs
     with pytest.raises(ValueError, match=r"1 <\|media_pad\|> placeholder\(s\) but 0 image"):
-        processor.apply_chat_template(text_only, tokenize=True, return_dict=True)  # unsanitised: as before
+        processor.apply_chat_template(text_only, tokenize=True, return_dict=True)  # unsanitised: the typed one counts
 
 
 def test_text_given_directly_keeps_its_control_tokens(processor):
