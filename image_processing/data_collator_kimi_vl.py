@@ -166,7 +166,8 @@ def load_chat_jsonl(
     """
     path = Path(path)
     examples, bad = [], []
-    with path.open(encoding="utf-8") as lines:
+    # utf-8-sig: a byte-order mark at the start of the file (some Windows editors write one) is skipped.
+    with path.open(encoding="utf-8-sig") as lines:
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

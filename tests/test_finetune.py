@@ -299,6 +299,12 @@ def test_bad_examples_are_reported_with_line_numbers(processor, bad_jsonl):
         assert BAD_LINES[problem.line] in problem.reason
 
 
+def test_a_byte_order_mark_is_not_a_bad_example(processor, tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_text(json.dumps({"messages": TEXT_ONLY}) + "\n", encoding="utf-8-sig")
+    assert load_chat_jsonl(path, processor) == ([{"messages": TEXT_ONLY}], [])
+
+
 def test_script_stops_before_training_listing_every_bad_example(tiny_kimi_vl_dir, bad_jsonl, tmp_path):
     argv = ["--model", str(tiny_kimi_vl_dir), "--data", str(bad_jsonl), "--output", str(tmp_path / "out"),
             "--max-length", "256", "--max-steps", "1"]  # fmt: skip
