@@ -139,6 +139,12 @@ def test_unreachable_image_url_is_a_bad_example(processor, tmp_path):
     assert f"image {unreachable!r} could not be fetched" in bad[0].reason
 
 
+@pytest.mark.parametrize("examples", [[], [{"conversation": TEXT_ONLY}], [{"messages": "Hello"}], ["Hello"]])
+def test_collator_says_what_a_batch_must_hold(processor, examples):
+    with pytest.raises(ValueError, match=r"no examples|expected an object \{\"messages\": \["):
+        KimiVLDataCollator(processor)(examples)
+
+
 def test_collator_is_not_shipped_with_exported_models():
     from hub_upload.remote_code import flat_code_files
 
