@@ -112,6 +112,12 @@ class KimiVLProcessor(ProcessorMixin):
         if _is_per_prompt(images):
             _check_images_per_prompt(placeholder_counts, images)
         image_count = 0 if images is None else len(flatten_images(images))
+        if image_count and kwargs.get("split_special_tokens", self.tokenizer.split_special_tokens):
+            raise ValueError(
+                f"With split_special_tokens=True the tokenizer encodes {IMAGE_PLACEHOLDER} as text, so images cannot "
+                "be given; leave it False (to encode user text as text, use apply_chat_template(..., "
+                "sanitize_control_tokens=True), which keeps the template's placeholders)."
+            )
         if sum(placeholder_counts) != image_count:
             raise ValueError(
                 f"The text has {sum(placeholder_counts)} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} "

@@ -267,8 +267,19 @@ def test_text_given_directly_keeps_its_control_tokens(processor):
 def test_a_tokenizer_that_splits_special_tokens_cannot_take_images(tiny_tokenizer_dir):
     tokenizer = KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir, split_special_tokens=True)
     splitting = KimiVLProcessor(KimiVLImageProcessor(), tokenizer)
-    with pytest.raises(ValueError, match=r"Mismatch in `image` token count between text and `input_ids`"):
+    with pytest.raises(
+        ValueError, match=r"With split_special_tokens=True the tokenizer encodes <\|media_pad\|> as text"
+    ):
         splitting(text=IMAGE, images=Image.new("RGB", (28, 28)))
+    # The same when asked for in the call.
+    processor = KimiVLProcessor(KimiVLImageProcessor(), KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir))
+    with pytest.raises(
+        ValueError, match=r"With split_special_tokens=True the tokenizer encodes <\|media_pad\|> as text"
+    ):
+        processor(text=IMAGE, images=Image.new("RGB", (28, 28)), split_special_tokens=True)
+    # Text alone is fine: its control tokens are text, as asked.
+    end = "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids(end) not in splitting(text=end)["input_ids"][0]
 
 
 def test_processor_refuses_sanitizing_where_transformers_cannot_do_it(processor, monkeypatch):
