@@ -151,9 +151,16 @@ class KimiVLProcessor(ProcessorMixin):
     def expand_image_token_ids(self, input_ids: list[int], image_grid_hws) -> list[int]:
         """`input_ids` (one prompt, already encoded, e.g. by `apply_chat_template(..., sanitize_control_tokens=True,
         tokenize=True)`) with the i-th image token repeated `tokens_per_image` times for the i-th (rows, cols) grid
-        of `image_grid_hws`: what `__call__` does to placeholders in text, for prompts kept as ids."""
+        of `image_grid_hws`: what `__call__` does to placeholders in text, for prompts kept as ids. Lists, numpy arrays
+        and tensors are taken; the result is a list of ints."""
+        # `tolist` gives Python ints for a tensor or an array, whose elements would stay 0-d tensors in the result.
+        input_ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
         grids = [list(grid) for grid in image_grid_hws]
-        placeholder_count = list(input_ids).count(self.image_token_id)
+        if not all(isinstance(token_id, int) for token_id in input_ids):
+            raise ValueError(
+                f"`input_ids` must be the ids of one prompt, a flat sequence of ints; got {input_ids!r:.80}"
+            )
+        placeholder_count = input_ids.count(self.image_token_id)
         if placeholder_count != len(grids):
             raise ValueError(
                 f"The ids have {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) (id {self.image_token_id}) "

@@ -324,6 +324,11 @@ def test_expand_image_token_ids_matches_the_text_expansion(processor):
     assert ids.count(processor.image_token_id) == 2
     assert processor.expand_image_token_ids(ids, expanded["image_grid_hws"].tolist()) == expanded["input_ids"][0]
     assert processor.expand_image_token_ids(ids[:3], []) == ids[:3]
+    # Tensors as the processor and the tokenizer return them give the same list of ints.
+    as_tensors = processor.expand_image_token_ids(torch.tensor(ids), expanded["image_grid_hws"])
+    assert as_tensors == expanded["input_ids"][0] and all(type(token_id) is int for token_id in as_tensors)
+    with pytest.raises(ValueError, match="`input_ids` must be the ids of one prompt, a flat sequence of ints"):
+        processor.expand_image_token_ids([ids], expanded["image_grid_hws"])
     with pytest.raises(ValueError, match=r"The ids have 2 <\|media_pad\|> placeholder\(s\) \(id 300\) but 1 image"):
         processor.expand_image_token_ids(ids, [[2, 4]])
     with pytest.raises(ValueError, match="3x4 patch grid, not divisible by the 2x2 merge kernel"):
