@@ -168,12 +168,13 @@ def load_chat_jsonl(
     """
     path = Path(path)
     examples, bad = [], []
-    # utf-8-sig: a byte-order mark at the start of the file (some Windows editors write one) is skipped.
-    with path.open(encoding="utf-8-sig") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as lines:  # decoded line by line, so that a line that is not UTF-8 is one bad example
+        for line_number, raw_line in enumerate(lines, start=1):
             try:
+                # utf-8-sig: a byte-order mark at the start of the file (some Windows editors write one) is skipped.
+                line = raw_line.decode("utf-8-sig" if line_number == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 example = _parse_example(line, path.parent)
                 encoded = encode_chat(processor, example["messages"])
                 check_length(len(encoded.input_ids), max_length, "the conversation")

@@ -311,6 +311,15 @@ def test_a_byte_order_mark_is_not_a_bad_example(processor, tmp_path):
     assert load_chat_jsonl(path, processor) == ([{"messages": TEXT_ONLY}], [])
 
 
+def test_a_line_that_is_not_utf8_is_one_bad_example(processor, tmp_path):
+    good = json.dumps({"messages": TEXT_ONLY}).encode()
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + b"\n" + "Caf\u00e9".encode("latin-1") + b"\n\n" + good + b"\n")
+    examples, bad = load_chat_jsonl(path, processor)
+    assert examples == [{"messages": TEXT_ONLY}] * 2
+    assert [problem.line for problem in bad] == [2] and "utf-8" in bad[0].reason
+
+
 def test_script_stops_before_training_listing_every_bad_example(tiny_kimi_vl_dir, bad_jsonl, tmp_path):
     argv = ["--model", str(tiny_kimi_vl_dir), "--data", str(bad_jsonl), "--output", str(tmp_path / "out"),
             "--max-length", "256", "--max-steps", "1"]  # fmt: skip
