@@ -16,6 +16,7 @@ This file is the command line and the Gradio page: its layout (`build_page`), th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -255,8 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     for name in ("max_image_mb", "max_images", "max_conversation_image_mb", "queue_size"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if not 0 < getattr(args, name) < math.inf:  # also refuses the floats nan and inf, which are no limits
+            parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
     return args

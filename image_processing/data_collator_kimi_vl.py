@@ -110,7 +110,9 @@ class KimiVLDataCollator:
         self.max_length = max_length
 
     def __call__(self, examples: Sequence[dict]) -> BatchFeature:
-        encoded = [encode_chat(self.processor, example["messages"]) for example in examples]
+        if not examples:
+            raise ValueError("The batch has no examples; the collator needs at least one.")
+        encoded = [encode_chat(self.processor, messages_of(example)) for example in examples]
         for index, chat in enumerate(encoded):
             check_length(len(chat.input_ids), self.max_length, f"example {index} of the batch")
         width = max(len(chat.input_ids) for chat in encoded)
@@ -166,11 +168,13 @@ def load_chat_jsonl(
     """
     path = Path(path)
     examples, bad = [], []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as lines:  # decoded line by line, so that a line that is not UTF-8 is one bad example
+        for line_number, raw_line in enumerate(lines, start=1):
             try:
+                # utf-8-sig: a byte-order mark at the start of the file (some Windows editors write one) is skipped.
+                line = raw_line.decode("utf-8-sig" if line_number == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 example = _parse_example(line, path.parent)
                 encoded = encode_chat(processor, example["messages"])
                 check_length(len(encoded.input_ids), max_length, "the conversation")
@@ -181,15 +185,22 @@ def load_chat_jsonl(
     return examples, bad
 
 
+def messages_of(example) -> list[dict]:
+    """The messages of one example `{"messages": [...]}`; ValueError, showing the example, for any other shape."""
+    messages = example.get("messages") if isinstance(example, dict) else None
+    if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
+        raise ValueError(
+            f'expected an object {{"messages": [{{"role": ..., "content": ...}}, ...]}}, got {example!r:.100}'
+        )
+    return messages
+
+
 def _parse_example(line: str, folder: Path) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error}).") from error
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
-        raise ValueError('expected an object {"messages": [{"role": ..., "content": ...}, ...]}.')
-    return {"messages": [_with_resolved_images(message, folder) for message in messages]}
+    return {"messages": [_with_resolved_images(message, folder) for message in messages_of(record)]}
 
 
 def _with_resolved_images(message: dict, folder: Path) -> dict:

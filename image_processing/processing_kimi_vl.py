@@ -112,6 +112,12 @@ class KimiVLProcessor(ProcessorMixin):
         if _is_per_prompt(images):
             _check_images_per_prompt(placeholder_counts, images)
         image_count = 0 if images is None else len(flatten_images(images))
+        if image_count and kwargs.get("split_special_tokens", self.tokenizer.split_special_tokens):
+            raise ValueError(
+                f"With split_special_tokens=True the tokenizer encodes {IMAGE_PLACEHOLDER} as text, so images cannot "
+                "be given; leave it False (to encode user text as text, use apply_chat_template(..., "
+                "sanitize_control_tokens=True), which keeps the template's placeholders)."
+            )
         if sum(placeholder_counts) != image_count:
             raise ValueError(
                 f"The text has {sum(placeholder_counts)} {IMAGE_PLACEHOLDER} placeholder(s) but {image_count} "
@@ -121,7 +127,7 @@ class KimiVLProcessor(ProcessorMixin):
     def _process_images(self, images, **kwargs):
         # One replacement per image the image processor made (its own flattening of the inputs, which takes HxW
         # arrays and mixed nesting where transformers' `make_flat_list_of_images` does not).
-        if _is_per_prompt(images) and not any(images):  # one empty list per prompt (`[[], []]`): no images
+        if not flatten_images(images):  # an empty list, or one empty list per prompt (`[[], []]`): no images
             return {}, []
         image_inputs = self.image_processor(images, **kwargs)
         image_count = len(image_inputs["image_grid_hws"])
@@ -145,9 +151,16 @@ class KimiVLProcessor(ProcessorMixin):
     def expand_image_token_ids(self, input_ids: list[int], image_grid_hws) -> list[int]:
         """`input_ids` (one prompt, already encoded, e.g. by `apply_chat_template(..., sanitize_control_tokens=True,
         tokenize=True)`) with the i-th image token repeated `tokens_per_image` times for the i-th (rows, cols) grid
-        of `image_grid_hws`: what `__call__` does to placeholders in text, for prompts kept as ids."""
+        of `image_grid_hws`: what `__call__` does to placeholders in text, for prompts kept as ids. Lists, numpy arrays
+        and tensors are taken; the result is a list of ints."""
+        # `tolist` gives Python ints for a tensor or an array, whose elements would stay 0-d tensors in the result.
+        input_ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
         grids = [list(grid) for grid in image_grid_hws]
-        placeholder_count = list(input_ids).count(self.image_token_id)
+        if not all(isinstance(token_id, int) for token_id in input_ids):
+            raise ValueError(
+                f"`input_ids` must be the ids of one prompt, a flat sequence of ints; got {input_ids!r:.80}"
+            )
+        placeholder_count = input_ids.count(self.image_token_id)
         if placeholder_count != len(grids):
             raise ValueError(
                 f"The ids have {placeholder_count} {IMAGE_PLACEHOLDER} placeholder(s) (id {self.image_token_id}) "

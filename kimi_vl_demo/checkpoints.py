@@ -7,6 +7,7 @@ model asked for by name or folder is served as asked or not at all. A folder may
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from . import log
 
 DEFAULT_MODEL = "moonshotai/Kimi-VL-A3B-Instruct"
 TINY_MODEL = "tiny"
+# peft writes this beside a LoRA adapter (examples/finetune.py without --merge); a model folder has config.json instead.
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,23 @@ def model_kind(name: str) -> str:
     return "thinking" if "thinking" in name.lower() else "instruct"
 
 
+def folder_kind(folder: Path) -> str:
+    """The kind of a local model folder: "tiny" for the tiny architecture (e.g. `make tiny`'s folder), which gets the
+    tiny model's settings, not the real one's; a LoRA adapter is of its base model's kind."""
+    if (folder / ADAPTER_CONFIG).is_file():
+        base = adapter_base_model(folder)
+        return folder_kind(Path(base)) if Path(base).is_dir() else model_kind(base)
+    return "tiny" if is_tiny_kimi_vl(folder) else model_kind(folder.name)
+
+
 def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
     """Find the checkpoint to serve. Only the default model falls back (to the tiny one) when it cannot be had; a model
     asked for by name that cannot be found is an error."""
     if model == TINY_MODEL:
         return Checkpoint(ensure_tiny_checkpoint(cache_dir), "tiny demo model", "tiny")
     if Path(model).is_dir():
-        folder = Path(model)  # e.g. `make tiny`'s folder: the tiny model's settings, not the real one's
-        return Checkpoint(folder, folder.name, "tiny" if is_tiny_kimi_vl(folder) else model_kind(folder.name))
+        folder = Path(model)
+        return Checkpoint(folder, folder.name, folder_kind(folder))
 
     from huggingface_hub import snapshot_download
 
@@ -82,10 +94,6 @@ def resolve_checkpoint(model: str, cache_dir: Path) -> Checkpoint:
     return Checkpoint(Path(path), model, model_kind(model))
 
 
-# peft writes this beside a LoRA adapter (examples/finetune.py without --merge); a model folder has config.json instead.
-ADAPTER_CONFIG = "adapter_config.json"
-
-
 def load_model(
     path: Path, dtype: torch.dtype, device: str, quantize: str | None = None
 ) -> KimiVLForConditionalGeneration:
@@ -101,10 +109,21 @@ def load_model(
             "instead (examples/finetune.py --merge writes one), or leave out --quantize."
         )
     try:
-        from peft import PeftConfig, PeftModel
+        from peft import PeftModel
     except ImportError as error:
         raise SystemExit(f"{path} is a LoRA adapter; loading it needs peft: pip install -e '.[train]'") from error
-    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    base = adapter_base_model(path)
     log(f"{path} is a LoRA adapter: loading its base model {base} and merging the adapter in")
     model = KimiVLForConditionalGeneration.from_pretrained(base, dtype=dtype, device_map=device)
     return PeftModel.from_pretrained(model, path).merge_and_unload()
+
+
+def adapter_base_model(folder: Path) -> str:
+    """The hub id or folder of the model a LoRA adapter folder was trained on (peft's `base_model_name_or_path`)."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as error:
+        raise SystemExit(f"{folder / ADAPTER_CONFIG} could not be read as peft's adapter config: {error}") from error
+    if not isinstance(base, str) or not base:
+        raise SystemExit(f"{folder / ADAPTER_CONFIG} does not name its base model (base_model_name_or_path).")
+    return base

@@ -114,8 +114,8 @@ class ChatEngine:
             prepared_images[path].size if path in prepared_images else check_image(path, self.limits)
             for path in image_paths
         ]
-        # As stored: an EXIF orientation that turns an image a quarter (decoding honours it) swaps its grid's rows and
-        # columns, which leaves its token count as it is.
+        # Sizes as stored for images not decoded yet, upright for decoded ones: an EXIF orientation that turns an image
+        # a quarter (decoding honours it) swaps its grid's rows and columns, which leaves its token count as it is.
         image_processor = self.processor.image_processor
         grids = [image_processor.get_image_grid_hw(height, width) for width, height in sizes]
         # What users type is data, never chat structure: control tokens in it are encoded as plain text, so that only
@@ -123,8 +123,7 @@ class ChatEngine:
         text_ids = self.processor.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
         )
-        # The template writes one placeholder per image; each becomes that image's tokens. These are the prompt's final
-        # ids: decoding may turn a grid by EXIF orientation, which leaves its token count as it is.
+        # The template writes one placeholder per image; each becomes that image's tokens: the prompt's final ids.
         input_ids = self.processor.expand_image_token_ids(text_ids, grids)
         check_context(len(input_ids), max_new_tokens, self.context_length)
         self.check_image_budget(grids)

@@ -16,7 +16,7 @@ from gradio_client.utils import Status
 from PIL import Image
 from safetensors.torch import load_file
 
-from app import banner_markdown
+from app import banner_markdown, parse_args
 from image_processing import SANITIZING_SUPPORTED
 from kimi_vl_demo.checkpoints import (
     DEFAULT_MODEL,
@@ -354,6 +354,13 @@ def test_answer_status_is_decided_by_the_last_token():
     assert answer_status(monitor, end_of_turn) == "done"  # finished before the Stop took effect
     monitor(torch.tensor([[1, 2, 3, end_of_turn, 4]]), None)
     assert answer_status(monitor, end_of_turn) == "stopped"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_limits_on_the_command_line_must_be_positive_and_finite(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--max-image-mb", value])
+    assert f"--max-image-mb must be a positive finite number, got {float(value)}" in capsys.readouterr().err
 
 
 def test_model_kind_and_default_settings():

@@ -139,6 +139,12 @@ def test_unreachable_image_url_is_a_bad_example(processor, tmp_path):
     assert f"image {unreachable!r} could not be fetched" in bad[0].reason
 
 
+@pytest.mark.parametrize("examples", [[], [{"conversation": TEXT_ONLY}], [{"messages": "Hello"}], ["Hello"]])
+def test_collator_says_what_a_batch_must_hold(processor, examples):
+    with pytest.raises(ValueError, match=r"no examples|expected an object \{\"messages\": \["):
+        KimiVLDataCollator(processor)(examples)
+
+
 def test_collator_is_not_shipped_with_exported_models():
     from hub_upload.remote_code import flat_code_files
 
@@ -254,6 +260,13 @@ def test_demo_loads_an_adapter_folder_merged(lora_run):
     torch.testing.assert_close(logits_of(model, lora_run.batch), logits_of(merged, lora_run.batch), rtol=0, atol=1e-6)
 
 
+def test_demo_serves_an_adapter_of_the_tiny_model_as_the_tiny_model(lora_run, tmp_path):
+    from kimi_vl_demo.checkpoints import resolve_checkpoint
+
+    # Its base model's kind: the tiny model's short greedy answers and its "random weights" banner.
+    assert resolve_checkpoint(str(lora_run.output), tmp_path).kind == "tiny"
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad examples
 # ----------------------------------------------------------------------------------------------------------------------
@@ -290,6 +303,21 @@ def test_bad_examples_are_reported_with_line_numbers(processor, bad_jsonl):
     assert [problem.line for problem in bad] == sorted(BAD_LINES)
     for problem in bad:
         assert BAD_LINES[problem.line] in problem.reason
+
+
+def test_a_byte_order_mark_is_not_a_bad_example(processor, tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_text(json.dumps({"messages": TEXT_ONLY}) + "\n", encoding="utf-8-sig")
+    assert load_chat_jsonl(path, processor) == ([{"messages": TEXT_ONLY}], [])
+
+
+def test_a_line_that_is_not_utf8_is_one_bad_example(processor, tmp_path):
+    good = json.dumps({"messages": TEXT_ONLY}).encode()
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + b"\n" + "Caf\u00e9".encode("latin-1") + b"\n\n" + good + b"\n")
+    examples, bad = load_chat_jsonl(path, processor)
+    assert examples == [{"messages": TEXT_ONLY}] * 2
+    assert [problem.line for problem in bad] == [2] and "utf-8" in bad[0].reason
 
 
 def test_script_stops_before_training_listing_every_bad_example(tiny_kimi_vl_dir, bad_jsonl, tmp_path):

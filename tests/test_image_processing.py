@@ -351,7 +351,7 @@ def test_layout_of_arrays_and_tensors_is_given_or_unambiguous():
         (chw.numpy(), ChannelDimension.FIRST),
     ]:
         assert torch.equal(KimiVLImageProcessor()(image, input_data_format=layout)["pixel_values"], expected)
-    # Unambiguous shapes need no input_data_format: numpy HxWxC and torch CxHxW as before, and the other layouts.
+    # Unambiguous shapes need no input_data_format, in either layout, as numpy arrays and as torch tensors.
     tall = _random_rgb(30, 20)
     array = np.asarray(tall)
     expected = KimiVLImageProcessor()(tall)["pixel_values"]

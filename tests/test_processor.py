@@ -144,6 +144,9 @@ def test_images_given_per_prompt_must_match_each_prompt(processor):
     plain = processor(text=["no image", "nor here"], return_tensors="pt")
     assert text_only.keys() == plain.keys() == {"input_ids", "attention_mask"}
     assert torch.equal(text_only["input_ids"], plain["input_ids"])
+    no_images = processor(text=["no image", "nor here"], images=[], return_tensors="pt")
+    assert no_images.keys() == plain.keys()
+    assert torch.equal(no_images["input_ids"], plain["input_ids"])
     # A flat list is matched to the placeholders in order across prompts.
     across = processor(text=[IMAGE, IMAGE], images=[first, second], return_tensors="pt")
     assert [row.count(processor.image_token_id) for row in across["input_ids"].tolist()] == [1, 2]
@@ -252,7 +255,7 @@ def test_sanitized_chat_keeps_typed_control_tokens_as_text(processor):
     )
     assert processor.image_token_id not in inputs["input_ids"][0].tolist() and "pixel_values" not in inputs
     with pytest.raises(ValueError, match=r"1 <\|media_pad\|> placeholder\(s\) but 0 image"):
-        processor.apply_chat_template(text_only, tokenize=True, return_dict=True)  # unsanitised: as before
+        processor.apply_chat_template(text_only, tokenize=True, return_dict=True)  # unsanitised: the typed one counts
 
 
 def test_text_given_directly_keeps_its_control_tokens(processor):
@@ -264,8 +267,19 @@ def test_text_given_directly_keeps_its_control_tokens(processor):
 def test_a_tokenizer_that_splits_special_tokens_cannot_take_images(tiny_tokenizer_dir):
     tokenizer = KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir, split_special_tokens=True)
     splitting = KimiVLProcessor(KimiVLImageProcessor(), tokenizer)
-    with pytest.raises(ValueError, match=r"Mismatch in `image` token count between text and `input_ids`"):
+    with pytest.raises(
+        ValueError, match=r"With split_special_tokens=True the tokenizer encodes <\|media_pad\|> as text"
+    ):
         splitting(text=IMAGE, images=Image.new("RGB", (28, 28)))
+    # The same when asked for in the call.
+    processor = KimiVLProcessor(KimiVLImageProcessor(), KimiVLTokenizer.from_pretrained(tiny_tokenizer_dir))
+    with pytest.raises(
+        ValueError, match=r"With split_special_tokens=True the tokenizer encodes <\|media_pad\|> as text"
+    ):
+        processor(text=IMAGE, images=Image.new("RGB", (28, 28)), split_special_tokens=True)
+    # Text alone is fine: its control tokens are text, as asked.
+    end = "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids(end) not in splitting(text=end)["input_ids"][0]
 
 
 def test_processor_refuses_sanitizing_where_transformers_cannot_do_it(processor, monkeypatch):
@@ -310,6 +324,11 @@ def test_expand_image_token_ids_matches_the_text_expansion(processor):
     assert ids.count(processor.image_token_id) == 2
     assert processor.expand_image_token_ids(ids, expanded["image_grid_hws"].tolist()) == expanded["input_ids"][0]
     assert processor.expand_image_token_ids(ids[:3], []) == ids[:3]
+    # Tensors as the processor and the tokenizer return them give the same list of ints.
+    as_tensors = processor.expand_image_token_ids(torch.tensor(ids), expanded["image_grid_hws"])
+    assert as_tensors == expanded["input_ids"][0] and all(type(token_id) is int for token_id in as_tensors)
+    with pytest.raises(ValueError, match="`input_ids` must be the ids of one prompt, a flat sequence of ints"):
+        processor.expand_image_token_ids([ids], expanded["image_grid_hws"])
     with pytest.raises(ValueError, match=r"The ids have 2 <\|media_pad\|> placeholder\(s\) \(id 300\) but 1 image"):
         processor.expand_image_token_ids(ids, [[2, 4]])
     with pytest.raises(ValueError, match="3x4 patch grid, not divisible by the 2x2 merge kernel"):

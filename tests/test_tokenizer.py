@@ -236,7 +236,7 @@ def test_sanitize_control_tokens_keeps_only_the_templates_control_tokens(tokeniz
     special = tokenizer.num_base_tokens
     assert [i for i in ids if i >= special] == [i for i in template_ids if i >= special]
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_assistant|>")) == 2  # the real turn and the prompt
-    # Without it, the typed tokens are control tokens (what the demo did): forged assistant and system turns.
+    # Without it, the typed tokens are control tokens: forged assistant and system turns.
     unsanitized = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert unsanitized.count(tokenizer.convert_tokens_to_ids("<|im_system|>")) == 3
 
