@@ -687,9 +687,9 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
 
         Ids outside the vocabulary would fail inside the embedding lookup (on CUDA as a device-side assert, which
         ends the process), and a 2-D attention mask of another shape would fail later or mask the wrong tokens.
-        Called once per prompt, never in a decode step (the id range costs one host read): by `generate` on the
-        prompt as given (plain and static paths), and by `forward` when it gets no cache (a whole sequence, e.g.
-        `model(**inputs)` or training).
+        Never called in a cached decode step (the id range costs one host read): `generate` calls it once, on the
+        prompt as given (plain and static paths), and `forward` when it gets no cache, i.e. a whole sequence
+        (`model(**inputs)`, training, or each step of `generate(use_cache=False)`, which reruns the whole sequence).
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None:
