@@ -599,7 +599,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         else:
             # A host copy of the grids: the tower reads it without another device sync.
             host_grid_hws = torch.tensor(grid_hws, dtype=torch.long).view(-1, 2)
-            vision_outputs = self.vision_tower(pixel_values, host_grid_hws, **kwargs)
+            vision_outputs = self.vision_tower(pixel_values, host_grid_hws, return_dict=True, **kwargs)
         merged = vision_outputs.last_hidden_state
         image_features = self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
         return BaseModelOutputWithPooling(
@@ -724,12 +724,13 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             inputs_embeds = self.get_input_embeddings()(input_ids)
         if pixel_values is not None:
             # This is where the image features are written over the placeholders, in order (batch-major, then sequence).
-            features_per_image = self.get_image_features(pixel_values, image_grid_hws).pooler_output
+            features_per_image = self.get_image_features(pixel_values, image_grid_hws, return_dict=True).pooler_output
             image_features = torch.cat([inputs_embeds.new_zeros((0, inputs_embeds.shape[-1])), *features_per_image])
             mask = self.get_placeholder_mask(input_ids, inputs_embeds, image_features)
             inputs_embeds = inputs_embeds.masked_scatter(mask, image_features.to(inputs_embeds.dtype))
         return inputs_embeds
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

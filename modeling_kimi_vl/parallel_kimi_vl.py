@@ -200,7 +200,7 @@ def encode_images_data_parallel(
         patch_slices = pixel_values.split(patches_per_image)
         my_pixels = torch.cat([patch_slices[image] for image in my_images])
         my_grid_hws = torch.tensor([grid_hws[image] for image in my_images], dtype=torch.long)  # on the host
-        my_features = vision_tower(my_pixels, my_grid_hws).last_hidden_state
+        my_features = vision_tower(my_pixels, my_grid_hws, return_dict=True).last_hidden_state
     else:
         # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
         my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
