@@ -686,11 +686,16 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         """Reject a prompt the language model cannot take, naming the numbers, before anything runs.
 
         Ids outside the vocabulary would fail inside the embedding lookup (on CUDA as a device-side assert, which
-        ends the process), and a 2-D attention mask of another shape would fail later or mask the wrong tokens.
+        ends the process); inputs of another rank, or a 2-D attention mask of another shape, would fail later with
+        an unrelated message or mask the wrong tokens.
         Never called in a cached decode step (the id range costs one host read): `generate` calls it once, on the
         prompt as given (plain and static paths), and `forward` when it gets no cache, i.e. a whole sequence
         (`model(**inputs)`, training, or each step of `generate(use_cache=False)`, which reruns the whole sequence).
         """
+        for name, tensor, ndim, layout in (("input_ids", input_ids, 2, "[batch, seq]"),
+                                           ("inputs_embeds", inputs_embeds, 3, "[batch, seq, hidden]")):  # fmt: skip
+            if tensor is not None and tensor.ndim != ndim:
+                raise ValueError(f"{name} must have shape {layout}, got {tuple(tensor.shape)}.")
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None:
             return
