@@ -85,6 +85,11 @@ class PackedImages:
 def read_image_grids(pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, config: MoonViTConfig) -> list:
     """The validated `(rows, cols)` of every image as host ints: the one device->host read of a vision forward."""
     patch = config.patch_size
+    if not isinstance(pixel_values, torch.Tensor) or not isinstance(image_grid_hws, (torch.Tensor, type(None))):
+        raise TypeError(
+            f"pixel_values and image_grid_hws must be tensors (the processor returns them with return_tensors='pt'), "
+            f"got {type(pixel_values).__name__} and {type(image_grid_hws).__name__}."
+        )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, patch, patch):
         raise ValueError(
             f"pixel_values must have shape [num_patches, 3, {patch}, {patch}] (all images' patches, as the processor "

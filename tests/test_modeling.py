@@ -522,6 +522,15 @@ def test_pixel_values_without_grids_is_an_error(reference_model):
         reference_model(input_ids=torch.tensor([[300] * 6]), pixel_values=torch.zeros(24, 3, 14, 14))
 
 
+def test_images_not_given_as_tensors_are_an_error(reference_model):
+    pixel_values, grid_hws = random_images([(2, 2)])
+    input_ids = torch.tensor([[5, 300, 6]])
+    with pytest.raises(TypeError, match="must be tensors .* got Tensor and list"):
+        reference_model(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws.tolist())
+    with pytest.raises(TypeError, match="must be tensors .* got list and Tensor"):
+        reference_model(input_ids=input_ids, pixel_values=pixel_values.tolist(), image_grid_hws=grid_hws)
+
+
 def test_num_return_sequences_repeats_each_prompts_images(reference_model):
     """generate() expands the batch for num_return_sequences; the packed images must follow their prompt."""
     grids_per_prompt = [[(4, 6), (2, 2)], [(6, 4)]]
