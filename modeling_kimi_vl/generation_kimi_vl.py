@@ -217,8 +217,11 @@ class KimiVLStaticGenerationMixin:
 
     def _check_static_request(self, input_ids, attention_mask, pixel_values, generation_config) -> None:
         """Reject what the static path cannot do, before anything runs."""
-        if input_ids.shape[1] == 0:
-            raise ValueError("generate(cache_implementation='static') needs a non-empty prompt in input_ids.")
+        if input_ids.numel() == 0:
+            raise ValueError(
+                "generate(cache_implementation='static') needs at least one non-empty prompt in input_ids, got shape "
+                f"{tuple(input_ids.shape)}."
+            )
         mode = generation_config.get_generation_mode()
         if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
             raise ValueError(

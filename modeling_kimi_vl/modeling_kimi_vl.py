@@ -85,6 +85,11 @@ class PackedImages:
 def read_image_grids(pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, config: MoonViTConfig) -> list:
     """The validated `(rows, cols)` of every image as host ints: the one device->host read of a vision forward."""
     patch = config.patch_size
+    if not isinstance(pixel_values, torch.Tensor) or not isinstance(image_grid_hws, (torch.Tensor, type(None))):
+        raise TypeError(
+            f"pixel_values and image_grid_hws must be tensors (the processor returns them with return_tensors='pt'), "
+            f"got {type(pixel_values).__name__} and {type(image_grid_hws).__name__}."
+        )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, patch, patch):
         raise ValueError(
             f"pixel_values must have shape [num_patches, 3, {patch}, {patch}] (all images' patches, as the processor "
@@ -599,7 +604,7 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         else:
             # A host copy of the grids: the tower reads it without another device sync.
             host_grid_hws = torch.tensor(grid_hws, dtype=torch.long).view(-1, 2)
-            vision_outputs = self.vision_tower(pixel_values, host_grid_hws, **kwargs)
+            vision_outputs = self.vision_tower(pixel_values, host_grid_hws, return_dict=True, **kwargs)
         merged = vision_outputs.last_hidden_state
         image_features = self.multi_modal_projector(merged.to(self.multi_modal_projector.linear_1.weight.dtype))
         return BaseModelOutputWithPooling(
@@ -686,11 +691,16 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         """Reject a prompt the language model cannot take, naming the numbers, before anything runs.
 
         Ids outside the vocabulary would fail inside the embedding lookup (on CUDA as a device-side assert, which
-        ends the process), and a 2-D attention mask of another shape would fail later or mask the wrong tokens.
-        Called once per prompt, never in a decode step (the id range costs one host read): by `generate` on the
-        prompt as given (plain and static paths), and by `forward` when it gets no cache (a whole sequence, e.g.
-        `model(**inputs)` or training).
+        ends the process); inputs of another rank, or a 2-D attention mask of another shape, would fail later with
+        an unrelated message or mask the wrong tokens.
+        Never called in a cached decode step (the id range costs one host read): `generate` calls it once, on the
+        prompt as given (plain and static paths), and `forward` when it gets no cache, i.e. a whole sequence
+        (`model(**inputs)`, training, or each step of `generate(use_cache=False)`, which reruns the whole sequence).
         """
+        for name, tensor, ndim, layout in (("input_ids", input_ids, 2, "[batch, seq]"),
+                                           ("inputs_embeds", inputs_embeds, 3, "[batch, seq, hidden]")):  # fmt: skip
+            if tensor is not None and tensor.ndim != ndim:
+                raise ValueError(f"{name} must have shape {layout}, got {tuple(tensor.shape)}.")
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None:
             return
@@ -724,12 +734,13 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
             inputs_embeds = self.get_input_embeddings()(input_ids)
         if pixel_values is not None:
             # This is where the image features are written over the placeholders, in order (batch-major, then sequence).
-            features_per_image = self.get_image_features(pixel_values, image_grid_hws).pooler_output
+            features_per_image = self.get_image_features(pixel_values, image_grid_hws, return_dict=True).pooler_output
             image_features = torch.cat([inputs_embeds.new_zeros((0, inputs_embeds.shape[-1])), *features_per_image])
             mask = self.get_placeholder_mask(input_ids, inputs_embeds, image_features)
             inputs_embeds = inputs_embeds.masked_scatter(mask, image_features.to(inputs_embeds.dtype))
         return inputs_embeds
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -71,15 +71,25 @@ class PackedQKVColwiseParallel(PackedColwiseParallel):
 ALL_PARALLEL_STYLES.register("packed_qkv_colwise", PackedQKVColwiseParallel())
 
 
-def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int) -> None:
-    """Weight mode shards whole heads: the head count must divide by the TP size."""
+def check_vision_tp_size(vision_config: MoonViTConfig, tp_size: int, alone: bool) -> None:
+    """Weight mode shards whole heads: the head count must divide by the TP size. `alone`: the tower is loaded
+    without the language model (MoonViTModel), where weight mode is the only one."""
     heads = vision_config.num_attention_heads
-    if heads % tp_size:
-        raise ValueError(
-            f"mm_encoder_tp_mode='weight' splits the vision tower's {heads} attention heads across {tp_size} ranks, "
-            f"but {heads} is not divisible by {tp_size}. Load with mm_encoder_tp_mode='data' (the tower is then "
-            f"replicated and each rank encodes a share of the images), or use a TP size that divides {heads}."
+    if heads % tp_size == 0:
+        return
+    if alone:
+        what = "MoonViTModel with tensor parallelism"
+        remedy = "Load it without tensor parallelism"
+    else:
+        what = "mm_encoder_tp_mode='weight'"
+        remedy = (
+            "Load with mm_encoder_tp_mode='data' (the tower is then replicated and each rank encodes a share of the "
+            "images)"
         )
+    raise ValueError(
+        f"{what} splits the vision tower's {heads} attention heads across {tp_size} ranks, but {heads} is not "
+        f"divisible by {tp_size}. {remedy}, or use a TP size that divides {heads}."
+    )
 
 
 def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) -> None:
@@ -88,7 +98,7 @@ def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) ->
     if tp_size <= 1:
         return
     if isinstance(config, MoonViTConfig):
-        check_vision_tp_size(config, tp_size)
+        check_vision_tp_size(config, tp_size, alone=True)
         return
     text_config = config.text_config
     for what, count in (
@@ -101,7 +111,7 @@ def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) ->
                 f"use a TP size that divides {count}."
             )
     if config.mm_encoder_tp_mode == "weight":
-        check_vision_tp_size(config.vision_config, tp_size)
+        check_vision_tp_size(config.vision_config, tp_size, alone=False)
     else:
         # The encoder shares images among all processes, so they must all be ranks of this one TP group.
         world_size = process_state().num_processes
@@ -190,7 +200,7 @@ def encode_images_data_parallel(
         patch_slices = pixel_values.split(patches_per_image)
         my_pixels = torch.cat([patch_slices[image] for image in my_images])
         my_grid_hws = torch.tensor([grid_hws[image] for image in my_images], dtype=torch.long)  # on the host
-        my_features = vision_tower(my_pixels, my_grid_hws).last_hidden_state
+        my_features = vision_tower(my_pixels, my_grid_hws, return_dict=True).last_hidden_state
     else:
         # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
         my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)

@@ -175,8 +175,12 @@ class KimiVLWeightOnlyConfig(QuantizationConfigMixin):
         scheme: str = "int8",
         group_size: int = 128,
         modules_to_not_convert: list[str] | None = None,
-        **kwargs,
+        quant_method: str = QUANT_METHOD,
     ):
+        # `quant_method` is how a saved config (or a `quantization_config` dict) names this class; any other key is a
+        # misspelt or foreign option, which must not be dropped silently (the model would load with the defaults).
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"KimiVLWeightOnlyConfig is quant_method={QUANT_METHOD!r}, got {quant_method!r}.")
         if scheme not in self.SCHEMES:
             raise ValueError(f"Unsupported weight-only quantization scheme {scheme!r}; choose one of {self.SCHEMES}.")
         if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:

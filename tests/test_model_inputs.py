@@ -2,6 +2,8 @@
 ValueError naming the numbers (on CUDA the embedding lookup would end the process with a device-side assert), checked
 once per prompt and never in a decode step."""
 
+import re
+
 import pytest
 import torch
 
@@ -44,6 +46,22 @@ def test_ids_outside_the_vocabulary_are_refused(model, how):
         rf"\[-1, {VOCAB_SIZE}, {VOCAB_SIZE + 77}\]",
     ):
         _call(model, how, input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+
+
+@pytest.mark.parametrize("how", ["forward", "generate", "static"])
+def test_ids_of_another_rank_are_refused(model, how):
+    for input_ids in (torch.tensor([5, 6, 7]), torch.tensor([[[5, 6, 7]]])):
+        with pytest.raises(
+            ValueError, match=re.escape(f"input_ids must have shape [batch, seq], got {tuple(input_ids.shape)}")
+        ):
+            _call(model, how, input_ids=input_ids)
+
+
+def test_static_generation_refuses_an_empty_batch(model):
+    with pytest.raises(
+        ValueError, match=re.escape("needs at least one non-empty prompt in input_ids, got shape (0, 4)")
+    ):
+        model.generate(torch.zeros((0, 4), dtype=torch.long), max_new_tokens=2, cache_implementation="static")
 
 
 @pytest.mark.parametrize("how", ["generate", "static"])

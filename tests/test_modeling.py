@@ -132,6 +132,25 @@ def test_multimodal_and_text_logits_match_reference(reference_model, expected):
 
 
 @torch.no_grad()
+def test_model_configured_for_tuples_still_encodes_images(reference_checkpoint, expected):
+    """`return_dict=False` (the convention for tracing and export) changes what the model returns, not how it reads its
+    own submodules' outputs."""
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, return_dict=False).eval()
+    model.config.vision_config.return_dict = False
+    images = {"pixel_values": expected["pixel_values"], "image_grid_hws": expected["image_grid_hws"]}
+    (logits,) = model(input_ids=expected["mm_input_ids"], **images, use_cache=False)
+    assert_close(logits, expected["mm_logits"])
+    merged, features_per_image = model.get_image_features(**images)
+    assert_close(torch.cat(features_per_image), expected["projected"])
+    assert_close(merged, expected["vision_merged"])
+    new_tokens = expected["mm_generated"].shape[1] - expected["mm_input_ids"].shape[1]
+    for cache_implementation in (None, "static"):
+        generated = model.generate(input_ids=expected["mm_input_ids"], **images, max_new_tokens=new_tokens,
+                                   do_sample=False, cache_implementation=cache_implementation)  # fmt: skip
+        assert torch.equal(generated, expected["mm_generated"])
+
+
+@torch.no_grad()
 def test_inputs_embeds_path_equals_input_ids_path(reference_model, expected):
     inputs_embeds = reference_model.get_input_embeddings()(expected["mm_input_ids"])
     via_embeds = reference_model(
@@ -501,6 +520,15 @@ def test_bad_grids_raise_clear_errors(reference_model, grids, num_patches, messa
 def test_pixel_values_without_grids_is_an_error(reference_model):
     with pytest.raises(ValueError, match="without image_grid_hws"):
         reference_model(input_ids=torch.tensor([[300] * 6]), pixel_values=torch.zeros(24, 3, 14, 14))
+
+
+def test_images_not_given_as_tensors_are_an_error(reference_model):
+    pixel_values, grid_hws = random_images([(2, 2)])
+    input_ids = torch.tensor([[5, 300, 6]])
+    with pytest.raises(TypeError, match="must be tensors .* got Tensor and list"):
+        reference_model(input_ids=input_ids, pixel_values=pixel_values, image_grid_hws=grid_hws.tolist())
+    with pytest.raises(TypeError, match="must be tensors .* got list and Tensor"):
+        reference_model(input_ids=input_ids, pixel_values=pixel_values.tolist(), image_grid_hws=grid_hws)
 
 
 def test_num_return_sequences_repeats_each_prompts_images(reference_model):

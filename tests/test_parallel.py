@@ -132,6 +132,13 @@ def test_tp_size_checks_name_the_numbers(tiny_config, tp_size, mode, message):
         check_kimi_vl_tp_size(config, tp_size)
 
 
+def test_tp_size_check_of_the_vision_tower_alone_offers_no_data_mode(tiny_config):
+    # MoonViTModel has no mm_encoder_tp_mode: it is always weight-sharded.
+    with pytest.raises(ValueError, match="MoonViTModel with tensor parallelism splits the vision tower's 3") as error:
+        check_kimi_vl_tp_size(tiny_config.vision_config, 2)
+    assert "mm_encoder_tp_mode" not in str(error.value)
+
+
 def test_tp_size_one_is_always_fine(tiny_config):
     check_kimi_vl_tp_size(tiny_config, 1)
 

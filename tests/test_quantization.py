@@ -307,6 +307,15 @@ def test_unsupported_scheme_and_group_size_are_refused():
         KimiVLWeightOnlyConfig("int4", group_size=7)
 
 
+def test_a_misspelt_option_is_refused_not_dropped(reference_checkpoint):
+    # Dropped, it would quantize with the default group size instead of the one asked for.
+    quantization_config = {"quant_method": "kimi_vl_weight_only", "scheme": "int4", "groupsize": 32}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'groupsize'"):
+        KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, quantization_config=quantization_config)
+    with pytest.raises(ValueError, match="quant_method='kimi_vl_weight_only', got 'int8'"):
+        KimiVLWeightOnlyConfig(quant_method="int8")
+
+
 def test_int4_group_size_must_divide_every_layer(reference_checkpoint):
     config = KimiVLWeightOnlyConfig("int4", group_size=48)  # the tiny model has 32/64/128 input features
     with pytest.raises(ValueError, match="group_size=48 does not divide a layer's"):
