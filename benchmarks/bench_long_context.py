@@ -130,10 +130,14 @@ def static_stepper(model, latents, context: int, num_slots: int):
     with state.lock:
         use_graphs = model._cuda_graphs_unavailable_reason() is None
         workspace = state.workspace(model, batch_size, num_slots, use_graphs)
+    # The workspace has the rows of the batch bucket (e.g. 4 for a batch of 3); the rows beyond the batch stay zero.
+    bucket_rows = workspace.batch_size
     for layer, (latent, rope_key) in zip(workspace.cache.layers, latents):
-        layer.lazy_initialization(latent, rope_key)
-        layer.keys[:, :, :context] = latent
-        layer.values[:, :, :context] = rope_key
+        layer.lazy_initialization(
+            latent[:1].expand(bucket_rows, -1, -1, -1), rope_key[:1].expand(bucket_rows, -1, -1, -1)
+        )
+        layer.keys[:batch_size, :, :context] = latent
+        layer.values[:batch_size, :, :context] = rope_key
     workspace.key_valid.fill_(True)
     workspace.filled_slots = context
     workspace.decode_slot.fill_(context - 1)
