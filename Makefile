@@ -62,6 +62,7 @@ bench: venv
 	$(VENV)/bin/torchrun --nproc_per_node 2 -m benchmarks.bench_parallel_vision
 	$(PY) -m benchmarks.bench_hub_export_memory
 	$(PY) -m benchmarks.bench_demo_memory
+	$(PY) -m benchmarks.bench_quantization
 
 clean:
 	rm -rf $(VENV) $(TINY_DIR) build *.egg-info
