@@ -304,6 +304,23 @@ def test_script_stops_before_training_listing_every_bad_example(tiny_kimi_vl_dir
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--learning-rate", "-0.0001", "--learning-rate must be a positive number"),
+        ("--learning-rate", "nan", "--learning-rate must be a positive number"),
+        ("--dataloader-workers", "-1", "--dataloader-workers must be at least 0"),
+        ("--lora-alpha", "0", "--lora-alpha must be at least 1"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_loaded(option, value, message, tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out"), option, value]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        finetune.parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_path, capsys):
     output = tmp_path / "out"
     argv = ["--model", str(tiny_kimi_vl_dir), "--data", str(bad_jsonl), "--output", str(output),
