@@ -373,6 +373,13 @@ def test_a3b_adapter_sizes_match_the_architecture():
     assert finetune_memory.trainable_parameters(options["LoRA + --lora-experts"])[0] == expected + experts
 
 
+@pytest.mark.parametrize("option", ["--lora-rank", "--tokens"])
+def test_memory_table_refuses_a_count_below_one(option, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        finetune_memory.main([option, "0"])
+    assert stopped.value.code == 2 and f"{option} must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layout(tiny_kimi_vl_dir, data_dir, tmp_path):
     output = tmp_path / "full"
     finetune.main(["--model", str(tiny_kimi_vl_dir), "--data", str(data_dir / "train.jsonl"), "--output", str(output),
