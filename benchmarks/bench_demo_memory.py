@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.common import REPO_ROOT, child_command, write_result
+from benchmarks.common import REPO_ROOT, child_command, process_status_bytes, reset_resident_peak, write_result
 from kimi_vl_demo import engine as demo_engine
 from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint
 from kimi_vl_demo.conversation import user_turn
@@ -38,17 +38,6 @@ TURNS = 3
 IMAGES_PER_TURN = 3
 DECODED_BYTES = SIDE * SIDE * 4
 VARIANTS = ("demo", "without malloc_trim")
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
 
 
 def write_images(folder: Path) -> list[list[str]]:
@@ -79,12 +68,12 @@ def measure(variant: str, workdir: Path) -> dict:
     turns = json.loads((workdir / "images.json").read_text())
     history, prepared_images = [], {}
     release_memory()
-    start_kib = status_kib("VmRSS")
+    start = process_status_bytes("VmRSS")
     rows = []
     with ThreadPoolExecutor(max_workers=4) as pool:  # Gradio runs each step of a handler in a worker thread
         for paths in turns:
             history += user_turn({"text": "What is in these pictures?", "files": paths}, limits)
-            reset_peak()
+            reset_resident_peak()
             steps = answer_turn(engine, history, prepared_images, threading.Event(), settings)
             while (history := pool.submit(next, steps, None).result()) is not None:
                 last = history
@@ -93,11 +82,11 @@ def measure(variant: str, workdir: Path) -> dict:
             rows.append(
                 {
                     "images_in_conversation": len(prepared_images),
-                    "peak_mb": (status_kib("VmHWM") - start_kib) / 1024,
-                    "after_mb": (status_kib("VmRSS") - start_kib) / 1024,
+                    "peak_mb": (process_status_bytes("VmHWM") - start) / 2**20,
+                    "after_mb": (process_status_bytes("VmRSS") - start) / 2**20,
                 }
             )
-    return {"start_mb": start_kib / 1024, "turns": rows}
+    return {"start_mb": start / 2**20, "turns": rows}
 
 
 def main() -> None:

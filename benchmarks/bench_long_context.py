@@ -52,13 +52,19 @@ import os
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, random_model
 from benchmarks.bench_generate import build_model as build_generate_model
-from benchmarks.common import REPO_ROOT, child_command, seconds_of_one_call, write_result
+from benchmarks.common import (
+    REPO_ROOT,
+    child_command,
+    process_status_bytes,
+    reset_resident_peak,
+    seconds_of_one_call,
+    write_result,
+)
 
 VARIANTS = ("expanded_plain", "absorbed_plain", "static_auto", "static_fixed")
 QUERY_LENGTHS = (1, 16, 32, 64, 128, 256, 512)
@@ -200,14 +206,6 @@ def timing_record(seconds: list[float]) -> dict:
             "ms_per_step_all": [round(1000 * value, 3) for value in seconds]}  # fmt: skip
 
 
-def resident_kib(field: str) -> int:
-    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in KiB (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def time_variant(model, variant: str, context: int, batch_size: int, args) -> dict:
     """One variant alone at one context and batch size: ms per decode step (median) and peak memory above the model:
     the CUDA allocator's peak, or on CPU the peak resident set after resetting the process's high-water mark (Linux's
@@ -218,12 +216,12 @@ def time_variant(model, variant: str, context: int, batch_size: int, args) -> di
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-        baseline = 1024 * resident_kib("VmRSS")
+        reset_resident_peak()
+        baseline = process_status_bytes("VmRSS")
     run, slots = prepare_step(model, variant, context, batch_size, args)
     try:
         record = timing_record(timed_steps({variant: run}, args)[variant])
-        peak = torch.cuda.max_memory_allocated() if cuda else 1024 * resident_kib("VmHWM")
+        peak = torch.cuda.max_memory_allocated() if cuda else process_status_bytes("VmHWM")
     finally:
         del run
         model.clear_static_generation()

@@ -44,7 +44,7 @@ from benchmarks.bench_generate import (
     random_model,
     timed_generation,
 )
-from benchmarks.common import REPO_ROOT, child_command, write_result
+from benchmarks.common import REPO_ROOT, child_command, process_status_bytes, write_result
 
 GIB = 2**30
 CARD_BYTES = 24 * GIB  # a "24 GB" card (RTX 3090 / 4090: 24 GiB)
@@ -121,11 +121,6 @@ def weights_section() -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def anonymous_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-
-
 def child_make_source(path: Path) -> None:
     from modeling_kimi_vl import KimiVLConfig
 
@@ -141,11 +136,11 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
 
     def sample():
         while not stop.is_set():
-            samples.append(anonymous_rss_bytes())
+            samples.append(process_status_bytes("RssAnon"))
             time.sleep(0.002)
 
     kwargs = {} if scheme is None else {"quantization_config": KimiVLWeightOnlyConfig(scheme)}
-    before = anonymous_rss_bytes()
+    before = process_status_bytes("RssAnon")
     sampler = threading.Thread(target=sample)
     sampler.start()
     start = time.perf_counter()
@@ -153,10 +148,9 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
     seconds = time.perf_counter() - start
     stop.set()
     sampler.join()
-    with open("/proc/self/status") as status:
-        high_water = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    high_water = process_status_bytes("VmHWM")
     record = {"seconds": round(seconds, 2), "anonymous_before_bytes": before,
-              "anonymous_peak_bytes": max(samples + [anonymous_rss_bytes()]), "vm_hwm_bytes": high_water,
+              "anonymous_peak_bytes": max(samples + [process_status_bytes("RssAnon")]), "vm_hwm_bytes": high_water,
               "model_bytes": parameter_bytes(model)["total"], "samples": len(samples)}  # fmt: skip
     print(json.dumps(record), flush=True)
     if save_to is not None:

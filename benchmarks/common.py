@@ -52,6 +52,20 @@ def seconds_of_one_call(function) -> float:
     return timer() - start
 
 
+def process_status_bytes(field: str) -> int:
+    """A memory field of this process's /proc/self/status (Linux), in bytes: VmRSS (resident now), VmHWM (the resident
+    high-water mark since the process started or `reset_resident_peak()`), RssAnon (anonymous resident memory)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return 1024 * int(line.split()[1])  # the kernel gives kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_resident_peak() -> None:
+    """Reset this process's VmHWM to its current VmRSS (Linux's /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def child_command(benchmark_file: str, *arguments: str) -> list[str]:
     """The command that runs the benchmark in `benchmark_file` (its `__file__`) again in a fresh process, the way it is
     run by hand: `python -m benchmarks.<name>`. Run it with cwd=REPO_ROOT, where `-m` finds the package."""
