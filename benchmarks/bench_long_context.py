@@ -3,8 +3,8 @@
 Variants, each timed per decode step (median of --steps steps after --warm-up steps) at every context and batch size:
 
   - expanded_plain: transformers' dynamic cache with the expanded MLA attention (every cached latent goes through
-                    kv_b_proj at every step: the behaviour before the absorbed form, reached with the documented switch
-                    `KimiVLMLAAttention.absorb_max_query_length = 0`);
+                    kv_b_proj at every step, as in transformers' DeepSeek-V3), reached with the documented switch
+                    `KimiVLMLAAttention.absorb_max_query_length = 0`;
   - absorbed_plain: the same with the absorbed attention (the default);
   - static_auto:    the static path's decode step with the capacity it picks for the request (context + new tokens,
                     rounded up to 256 slots);
