@@ -98,8 +98,16 @@ def main() -> None:
         print(json.dumps(measure(args.variant, args.workdir)))
         return
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kimi-vl-demo-memory-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    if args.workdir is None:  # a temporary folder of its own, deleted at the end
+        with tempfile.TemporaryDirectory(prefix="kimi-vl-demo-memory-") as workdir:
+            compare_variants(Path(workdir))
+    else:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        compare_variants(args.workdir)
+
+
+def compare_variants(workdir: Path) -> None:
+    """Both variants in fresh processes on the images written to `workdir`; prints the table and writes the JSON."""
     (workdir / "images.json").write_text(json.dumps(write_images(workdir)))
     decoded_mb = DECODED_BYTES / 2**20
     results = {}
