@@ -12,13 +12,12 @@ memory after it (VmRSS), both minus the resident memory before the first turn, a
 Two variants, each in a fresh process: the demo as it is, and the demo without returning freed memory to the system
 at the end of a turn (`engine.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
 
-    python -m benchmarks.bench_demo_memory [--workdir /tmp/kimi-vl-demo-memory]
+    python -m benchmarks.bench_demo_memory [--workdir FOLDER]
 """
 
 import argparse
 import json
 import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.common import REPO_ROOT, child_command, process_status_bytes, reset_resident_peak, write_result
+from benchmarks.common import (
+    REPO_ROOT,
+    child_command,
+    process_status_bytes,
+    reset_resident_peak,
+    scratch_folder,
+    write_result,
+)
 from kimi_vl_demo import engine as demo_engine
 from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint
 from kimi_vl_demo.conversation import user_turn
@@ -91,19 +97,15 @@ def measure(variant: str, workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, help="absent or empty; default: a temporary folder")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process's part
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(measure(args.variant, args.workdir)))
         return
 
-    if args.workdir is None:  # a temporary folder of its own, deleted at the end
-        with tempfile.TemporaryDirectory(prefix="kimi-vl-demo-memory-") as workdir:
-            compare_variants(Path(workdir))
-    else:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        compare_variants(args.workdir)
+    with scratch_folder(args.workdir, prefix="kimi-vl-demo-memory-") as workdir:
+        compare_variants(workdir)
 
 
 def compare_variants(workdir: Path) -> None:
