@@ -43,13 +43,15 @@ demo: venv
 	$(PY) app.py $(DEMO_ARGS)
 
 # A complete tiny Kimi-VL in the original hub layout (random weights, so random answers) for trying every entry point
-# without the 32 GB model; rebuilt when what it is made from changes.
+# without the 32 GB model; rebuilt when what it is made from changes. Only a folder holding a tiny Kimi-VL is removed
+# for the rebuild: any other TINY_DIR that holds files is left alone, and the writer refuses it.
 tiny: $(TINY_DIR)/config.json
 
 $(TINY_DIR)/config.json: $(VENV)/.installed modeling_kimi_vl/tiny_checkpoint.py image_processing/tiny_tokenizer.py \
 		image_processing/chat_template.jinja $(wildcard tests/fixtures/reference_tiny/tiny_ref/*)
-	rm -rf $(TINY_DIR)
-	$(PY) -m modeling_kimi_vl.tiny_checkpoint $(TINY_DIR)
+	$(PY) -c 'import shutil, sys; from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl as tiny; \
+		tiny(sys.argv[1]) and shutil.rmtree(sys.argv[1])' "$(TINY_DIR)"
+	$(PY) -m modeling_kimi_vl.tiny_checkpoint "$(TINY_DIR)"
 
 # The CPU benchmarks; each prints a table and writes JSON (with the machine) to benchmarks/results/.
 # On one GPU: `bash benchmarks/gpu_check.sh`.
@@ -62,6 +64,7 @@ bench: venv
 	$(VENV)/bin/torchrun --nproc_per_node 2 -m benchmarks.bench_parallel_vision
 	$(PY) -m benchmarks.bench_hub_export_memory
 	$(PY) -m benchmarks.bench_demo_memory
+	$(PY) -m benchmarks.bench_quantization
 
 clean:
 	rm -rf $(VENV) $(TINY_DIR) build *.egg-info

@@ -12,13 +12,12 @@ memory after it (VmRSS), both minus the resident memory before the first turn, a
 Two variants, each in a fresh process: the demo as it is, and the demo without returning freed memory to the system
 at the end of a turn (`engine.LIBC = None`: no malloc_trim), the baseline for that step. Linux only (/proc).
 
-    python -m benchmarks.bench_demo_memory [--workdir /tmp/kimi-vl-demo-memory]
+    python -m benchmarks.bench_demo_memory [--workdir FOLDER]
 """
 
 import argparse
 import json
 import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.common import REPO_ROOT, child_command, write_result
+from benchmarks.common import (
+    REPO_ROOT,
+    child_command,
+    process_status_bytes,
+    reset_resident_peak,
+    scratch_folder,
+    write_result,
+)
 from kimi_vl_demo import engine as demo_engine
 from kimi_vl_demo.checkpoints import Checkpoint, ensure_tiny_checkpoint
 from kimi_vl_demo.conversation import user_turn
@@ -38,17 +44,6 @@ TURNS = 3
 IMAGES_PER_TURN = 3
 DECODED_BYTES = SIDE * SIDE * 4
 VARIANTS = ("demo", "without malloc_trim")
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
 
 
 def write_images(folder: Path) -> list[list[str]]:
@@ -79,12 +74,12 @@ def measure(variant: str, workdir: Path) -> dict:
     turns = json.loads((workdir / "images.json").read_text())
     history, prepared_images = [], {}
     release_memory()
-    start_kib = status_kib("VmRSS")
+    start = process_status_bytes("VmRSS")
     rows = []
     with ThreadPoolExecutor(max_workers=4) as pool:  # Gradio runs each step of a handler in a worker thread
         for paths in turns:
             history += user_turn({"text": "What is in these pictures?", "files": paths}, limits)
-            reset_peak()
+            reset_resident_peak()
             steps = answer_turn(engine, history, prepared_images, threading.Event(), settings)
             while (history := pool.submit(next, steps, None).result()) is not None:
                 last = history
@@ -93,24 +88,28 @@ def measure(variant: str, workdir: Path) -> dict:
             rows.append(
                 {
                     "images_in_conversation": len(prepared_images),
-                    "peak_mb": (status_kib("VmHWM") - start_kib) / 1024,
-                    "after_mb": (status_kib("VmRSS") - start_kib) / 1024,
+                    "peak_mb": (process_status_bytes("VmHWM") - start) / 2**20,
+                    "after_mb": (process_status_bytes("VmRSS") - start) / 2**20,
                 }
             )
-    return {"start_mb": start_kib / 1024, "turns": rows}
+    return {"start_mb": start / 2**20, "turns": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, help="absent or empty; default: a temporary folder")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process's part
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(measure(args.variant, args.workdir)))
         return
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kimi-vl-demo-memory-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    with scratch_folder(args.workdir, prefix="kimi-vl-demo-memory-") as workdir:
+        compare_variants(workdir)
+
+
+def compare_variants(workdir: Path) -> None:
+    """Both variants in fresh processes on the images written to `workdir`; prints the table and writes the JSON."""
     (workdir / "images.json").write_text(json.dumps(write_images(workdir)))
     decoded_mb = DECODED_BYTES / 2**20
     results = {}

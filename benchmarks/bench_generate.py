@@ -219,7 +219,11 @@ def run_child(args, variant: str, timeout: float) -> tuple[list[dict], str | Non
                             "--repeats", str(args.repeats))  # fmt: skip
     child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     records = []
-    reader = threading.Thread(target=lambda: records.extend(json.loads(line) for line in child.stdout))
+    # Only the records: anything else a library prints to stdout is skipped (a parse error would end the reader and
+    # leave the child blocked on a full pipe).
+    reader = threading.Thread(
+        target=lambda: records.extend(json.loads(line) for line in child.stdout if line.startswith("{"))
+    )
     reader.start()
     try:
         child.wait(timeout=timeout)

@@ -10,7 +10,7 @@ ru_maxrss it does not include the parent's memory inherited at fork). The baseli
 Kimi-VL folder (`make tiny`, 1.5 MB of weights): the cost of the imports. Reported: peak minus baseline, per largest
 shard.
 
-    python -m benchmarks.bench_hub_export_memory [--workdir /tmp/kimi-vl-export-bench]
+    python -m benchmarks.bench_hub_export_memory [--workdir FOLDER]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import REPO_ROOT, write_result
+from benchmarks.common import REPO_ROOT, scratch_folder, write_result
 from hub_upload.source import expected_checkpoint_shapes
 from hub_upload.weights import natural_key
 from modeling_kimi_vl import KimiVLConfig
@@ -99,23 +99,26 @@ def measure_export(source: Path, out: Path, max_shard_size: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-vl-export-bench"))
+    parser.add_argument("--workdir", type=Path, help="absent or empty (about 2 GB); default: a temporary folder")
     args = parser.parse_args()
-    shutil.rmtree(args.workdir, ignore_errors=True)
+    with scratch_folder(args.workdir, prefix="kimi-vl-export-bench-") as workdir:
+        measure_all(workdir)
 
-    tiny = write_tiny_checkpoint(args.workdir / "tiny")
-    baseline = measure_export(tiny, args.workdir / "tiny_export", "5GB")
 
-    wide = args.workdir / "wide"
+def measure_all(workdir: Path) -> None:
+    """The baseline and both wide exports in `workdir`; prints and writes the result."""
+    tiny = write_tiny_checkpoint(workdir / "tiny")
+    baseline = measure_export(tiny, workdir / "tiny_export", "5GB")
+
+    wide = workdir / "wide"
     model_bytes = build_wide_source(wide, tiny)
-    runs = [measure_export(wide, args.workdir / "wide_export", size) for size in ("128MB", "5GB")]
+    runs = [measure_export(wide, workdir / "wide_export", size) for size in ("128MB", "5GB")]
     for run in runs:
         run["peak_over_baseline_mb"] = round(run["peak_rss_mb"] - baseline["peak_rss_mb"], 1)
         run["over_baseline_per_largest_shard"] = round(run["peak_over_baseline_mb"] / run["largest_output_shard_mb"], 2)
     result = {"model_mb": round(model_bytes / 2**20, 1), "baseline_tiny_export": baseline, "runs": runs}
     print(json.dumps(result, indent=2))
     print(write_result("hub_export_memory", result))
-    shutil.rmtree(args.workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

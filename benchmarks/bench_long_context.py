@@ -3,8 +3,8 @@
 Variants, each timed per decode step (median of --steps steps after --warm-up steps) at every context and batch size:
 
   - expanded_plain: transformers' dynamic cache with the expanded MLA attention (every cached latent goes through
-                    kv_b_proj at every step: the behaviour before the absorbed form, reached with the documented switch
-                    `KimiVLMLAAttention.absorb_max_query_length = 0`);
+                    kv_b_proj at every step, as in transformers' DeepSeek-V3), reached with the documented switch
+                    `KimiVLMLAAttention.absorb_max_query_length = 0`;
   - absorbed_plain: the same with the absorbed attention (the default);
   - static_auto:    the static path's decode step with the capacity it picks for the request (context + new tokens,
                     rounded up to 256 slots);
@@ -52,13 +52,19 @@ import os
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.bench_generate import SMALL_CONFIG, copy_bandwidth, decode_weight_bytes, random_model
 from benchmarks.bench_generate import build_model as build_generate_model
-from benchmarks.common import REPO_ROOT, child_command, seconds_of_one_call, write_result
+from benchmarks.common import (
+    REPO_ROOT,
+    child_command,
+    process_status_bytes,
+    reset_resident_peak,
+    seconds_of_one_call,
+    write_result,
+)
 
 VARIANTS = ("expanded_plain", "absorbed_plain", "static_auto", "static_fixed")
 QUERY_LENGTHS = (1, 16, 32, 64, 128, 256, 512)
@@ -130,10 +136,14 @@ def static_stepper(model, latents, context: int, num_slots: int):
     with state.lock:
         use_graphs = model._cuda_graphs_unavailable_reason() is None
         workspace = state.workspace(model, batch_size, num_slots, use_graphs)
+    # The workspace has the rows of the batch bucket (e.g. 4 for a batch of 3); the rows beyond the batch stay zero.
+    bucket_rows = workspace.batch_size
     for layer, (latent, rope_key) in zip(workspace.cache.layers, latents):
-        layer.lazy_initialization(latent, rope_key)
-        layer.keys[:, :, :context] = latent
-        layer.values[:, :, :context] = rope_key
+        layer.lazy_initialization(
+            latent[:1].expand(bucket_rows, -1, -1, -1), rope_key[:1].expand(bucket_rows, -1, -1, -1)
+        )
+        layer.keys[:batch_size, :, :context] = latent
+        layer.values[:batch_size, :, :context] = rope_key
     workspace.key_valid.fill_(True)
     workspace.filled_slots = context
     workspace.decode_slot.fill_(context - 1)
@@ -196,14 +206,6 @@ def timing_record(seconds: list[float]) -> dict:
             "ms_per_step_all": [round(1000 * value, 3) for value in seconds]}  # fmt: skip
 
 
-def resident_kib(field: str) -> int:
-    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in KiB (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def time_variant(model, variant: str, context: int, batch_size: int, args) -> dict:
     """One variant alone at one context and batch size: ms per decode step (median) and peak memory above the model:
     the CUDA allocator's peak, or on CPU the peak resident set after resetting the process's high-water mark (Linux's
@@ -214,12 +216,12 @@ def time_variant(model, variant: str, context: int, batch_size: int, args) -> di
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-        baseline = 1024 * resident_kib("VmRSS")
+        reset_resident_peak()
+        baseline = process_status_bytes("VmRSS")
     run, slots = prepare_step(model, variant, context, batch_size, args)
     try:
         record = timing_record(timed_steps({variant: run}, args)[variant])
-        peak = torch.cuda.max_memory_allocated() if cuda else 1024 * resident_kib("VmHWM")
+        peak = torch.cuda.max_memory_allocated() if cuda else process_status_bytes("VmHWM")
     finally:
         del run
         model.clear_static_generation()

@@ -19,7 +19,7 @@ GPU (--gpu, one CUDA device; results in bench_quantization_cuda_full.json): the 
 bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and 8 and peak device memory.
 `--gpu --size small --device cpu` runs the same logic on CPU with the small config (a check, not a measurement).
 
-    python -m benchmarks.bench_quantization [--sections weights,load,decode] [--workdir /tmp/kimi-vl-quant-bench]
+    python -m benchmarks.bench_quantization [--sections weights,load,decode] [--workdir FOLDER]
     python -m benchmarks.bench_quantization --gpu
 """
 
@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import threading
@@ -44,7 +43,7 @@ from benchmarks.bench_generate import (
     random_model,
     timed_generation,
 )
-from benchmarks.common import REPO_ROOT, child_command, write_result
+from benchmarks.common import REPO_ROOT, child_command, process_status_bytes, scratch_folder, write_result
 
 GIB = 2**30
 CARD_BYTES = 24 * GIB  # a "24 GB" card (RTX 3090 / 4090: 24 GiB)
@@ -121,11 +120,6 @@ def weights_section() -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def anonymous_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-
-
 def child_make_source(path: Path) -> None:
     from modeling_kimi_vl import KimiVLConfig
 
@@ -141,11 +135,11 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
 
     def sample():
         while not stop.is_set():
-            samples.append(anonymous_rss_bytes())
+            samples.append(process_status_bytes("RssAnon"))
             time.sleep(0.002)
 
     kwargs = {} if scheme is None else {"quantization_config": KimiVLWeightOnlyConfig(scheme)}
-    before = anonymous_rss_bytes()
+    before = process_status_bytes("RssAnon")
     sampler = threading.Thread(target=sample)
     sampler.start()
     start = time.perf_counter()
@@ -153,10 +147,9 @@ def child_load(path: Path, scheme: str | None, save_to: Path | None) -> None:
     seconds = time.perf_counter() - start
     stop.set()
     sampler.join()
-    with open("/proc/self/status") as status:
-        high_water = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    high_water = process_status_bytes("VmHWM")
     record = {"seconds": round(seconds, 2), "anonymous_before_bytes": before,
-              "anonymous_peak_bytes": max(samples + [anonymous_rss_bytes()]), "vm_hwm_bytes": high_water,
+              "anonymous_peak_bytes": max(samples + [process_status_bytes("RssAnon")]), "vm_hwm_bytes": high_water,
               "model_bytes": parameter_bytes(model)["total"], "samples": len(samples)}  # fmt: skip
     print(json.dumps(record), flush=True)
     if save_to is not None:
@@ -285,7 +278,7 @@ def gpu_section(args, save) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="weights,load,decode")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-vl-quant-bench"))
+    parser.add_argument("--workdir", type=Path, help="absent or empty (about 3 GB); default: a temporary folder")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=17)
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -318,18 +311,14 @@ def main() -> None:
     unknown = set(sections) - {"weights", "load", "decode"}
     if unknown:
         parser.error(f"--sections takes weights, load and decode; got {sorted(unknown)}")
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    args.workdir.mkdir(parents=True)
     result = {"load_average_before": list(os.getloadavg())}
-    try:
+    with scratch_folder(args.workdir, prefix="kimi-vl-quant-bench-") as workdir:
         if "weights" in sections:
             result["weights"] = weights_section()
         if "load" in sections:
-            result["load"] = load_section(args.workdir)
+            result["load"] = load_section(workdir)
         if "decode" in sections:
-            result["decode"] = decode_section(args.workdir, args.repeats, args.new_tokens, args.prompt_tokens)
-    finally:
-        shutil.rmtree(args.workdir, ignore_errors=True)
+            result["decode"] = decode_section(workdir, args.repeats, args.new_tokens, args.prompt_tokens)
     result["load_average_after"] = list(os.getloadavg())
     print(json.dumps(result, indent=2))
     print(write_result("bench_quantization_cpu", result))

@@ -1,9 +1,12 @@
 """Helpers shared by the benchmarks: machine description, timing, and writing results as JSON."""
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -50,6 +53,38 @@ def seconds_of_one_call(function) -> float:
     start = timer()
     function()
     return timer() - start
+
+
+def process_status_bytes(field: str) -> int:
+    """A memory field of this process's /proc/self/status (Linux), in bytes: VmRSS (resident now), VmHWM (the resident
+    high-water mark since the process started or `reset_resident_peak()`), RssAnon (anonymous resident memory)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return 1024 * int(line.split()[1])  # the kernel gives kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_resident_peak() -> None:
+    """Reset this process's VmHWM to its current VmRSS (Linux's /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+@contextlib.contextmanager
+def scratch_folder(path: Path | None, prefix: str):
+    """A folder for a benchmark's files, deleted with everything in it at the end, however the benchmark ends: a new
+    temporary folder (named with `prefix`), or `path` (a --workdir), which must be absent or empty so that no one
+    else's files are deleted."""
+    if path is None:
+        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+            yield Path(folder)
+        return
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise SystemExit(f"error: --workdir {path} must be absent or an empty folder (it is deleted at the end)")
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def child_command(benchmark_file: str, *arguments: str) -> list[str]:

@@ -206,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "gradient_accumulation",
         "max_length",
         "lora_rank",
+        "lora_alpha",
         "logging_steps",
         "save_steps",
     ):
@@ -214,6 +215,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
         parser.error(f"--epochs must be a positive number, got {args.epochs}")
+    if args.learning_rate is not None and not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
+        parser.error(f"--learning-rate must be a positive number, got {args.learning_rate}")
+    if args.dataloader_workers < 0:
+        parser.error(f"--dataloader-workers must be at least 0, got {args.dataloader_workers}")
     if args.resume and not any(args.output.glob("checkpoint-*")):
         parser.error(f"--resume: {args.output} has no checkpoint-* folder to resume from")
     return args

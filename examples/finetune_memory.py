@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per device per step for the estimate")
     args = parser.parse_args(argv)
+    for name in ("lora_rank", "tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
 
     config = kimi_vl_a3b_config()
     per_token = activation_bytes_per_token(config)

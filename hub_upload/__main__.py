@@ -125,7 +125,10 @@ def _raise_terminated(signum: int, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "export" and args.delete_added_files and not args.overwrite:
+        parser.error("--delete-added-files only says what --overwrite may delete; pass --overwrite with it")
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         (run_export if args.command == "export" else run_push)(args)

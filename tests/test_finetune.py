@@ -332,6 +332,23 @@ def test_script_stops_before_training_listing_every_bad_example(tiny_kimi_vl_dir
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--learning-rate", "-0.0001", "--learning-rate must be a positive number"),
+        ("--learning-rate", "nan", "--learning-rate must be a positive number"),
+        ("--dataloader-workers", "-1", "--dataloader-workers must be at least 0"),
+        ("--lora-alpha", "0", "--lora-alpha must be at least 1"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_loaded(option, value, message, tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out"), option, value]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        finetune.parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_path, capsys):
     output = tmp_path / "out"
     argv = ["--model", str(tiny_kimi_vl_dir), "--data", str(bad_jsonl), "--output", str(output),
@@ -382,6 +399,13 @@ def test_a3b_adapter_sizes_match_the_architecture():
     options = finetune_memory.choices(rank)
     assert finetune_memory.trainable_parameters(options["LoRA (default)"])[0] == expected
     assert finetune_memory.trainable_parameters(options["LoRA + --lora-experts"])[0] == expected + experts
+
+
+@pytest.mark.parametrize("option", ["--lora-rank", "--tokens"])
+def test_memory_table_refuses_a_count_below_one(option, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        finetune_memory.main([option, "0"])
+    assert stopped.value.code == 2 and f"{option} must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layout(tiny_kimi_vl_dir, data_dir, tmp_path):

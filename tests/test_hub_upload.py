@@ -679,6 +679,9 @@ def test_cli_errors(source, tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
         cli_main(["export", "--source", str(source), "--out", str(tmp_path / "out"), "--verify-timeout", "0"])
     assert caught.value.code == 2 and "invalid time '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["export", "--source", str(source), "--out", str(tmp_path / "out"), "--delete-added-files"])
+    assert caught.value.code == 2 and "pass --overwrite with it" in capsys.readouterr().err
     assert cli_main(["export", "--source", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     assert cli_main(["push", "--folder", str(source), "--repo-id", "org/name", "--dry-run"]) == 2

@@ -85,6 +85,22 @@ def test_writer_refuses_a_folder_that_holds_anything(tmp_path):
     assert write_tiny_checkpoint(tmp_path / "empty-is-fine") == tmp_path / "empty-is-fine"
 
 
+def test_make_tiny_rebuilds_only_a_tiny_model_and_leaves_any_other_folder_alone(tiny_kimi_vl_dir, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    result = subprocess.run(["make", "-s", "tiny", f"TINY_DIR={mine}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode != 0 and "already exists and is not an empty folder" in result.stderr
+    assert [path.name for path in mine.iterdir()] == ["notes.txt"]
+
+    made = tmp_path / "made"
+    shutil.copytree(tiny_kimi_vl_dir, made)
+    os.utime(made / "config.json", (0, 0))  # older than what it is made from: make rebuilds it
+    result = subprocess.run(["make", "-s", "tiny", f"TINY_DIR={made}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert file_bytes(made) == file_bytes(tiny_kimi_vl_dir) and (made / "config.json").stat().st_mtime > 0
+
+
 def test_config_carries_the_tokenizers_ids(tiny_kimi_vl_dir, tiny_processor):
     config = json.loads((tiny_kimi_vl_dir / "config.json").read_text())
     tokenizer = tiny_processor.tokenizer
