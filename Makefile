@@ -45,12 +45,15 @@ demo: venv
 # A complete tiny Kimi-VL in the original hub layout (random weights, so random answers) for trying every entry point
 # without the 32 GB model; rebuilt when what it is made from changes. Only a folder holding a tiny Kimi-VL is removed
 # for the rebuild: any other TINY_DIR that holds files is left alone, and the writer refuses it.
+# Removes $(TINY_DIR) only if it holds a tiny Kimi-VL: any other folder given as TINY_DIR is left alone.
+REMOVE_TINY = $(PY) -c 'import shutil, sys; from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl as tiny; \
+	tiny(sys.argv[1]) and shutil.rmtree(sys.argv[1])' "$(TINY_DIR)"
+
 tiny: $(TINY_DIR)/config.json
 
 $(TINY_DIR)/config.json: $(VENV)/.installed modeling_kimi_vl/tiny_checkpoint.py image_processing/tiny_tokenizer.py \
 		image_processing/chat_template.jinja $(wildcard tests/fixtures/reference_tiny/tiny_ref/*)
-	$(PY) -c 'import shutil, sys; from modeling_kimi_vl.tiny_checkpoint import is_tiny_kimi_vl as tiny; \
-		tiny(sys.argv[1]) and shutil.rmtree(sys.argv[1])' "$(TINY_DIR)"
+	$(REMOVE_TINY)
 	$(PY) -m modeling_kimi_vl.tiny_checkpoint "$(TINY_DIR)"
 
 # The CPU benchmarks; each prints a table and writes JSON (with the machine) to benchmarks/results/.
@@ -67,4 +70,5 @@ bench: venv
 	$(PY) -m benchmarks.bench_quantization
 
 clean:
-	rm -rf $(VENV) $(TINY_DIR) build *.egg-info
+	-test ! -x $(PY) || $(REMOVE_TINY)
+	rm -rf $(VENV) build *.egg-info
