@@ -264,16 +264,17 @@ class StaticGenerationState:
 
     At most MAX_WORKSPACES are kept, least recently used first out: each holds a whole latent cache, and request
     lengths vary (a server that sets `max_cache_len` uses one capacity for all requests, so one workspace per batch
-    bucket). Graphs hold the addresses of the tensors they read, so everything is dropped when any parameter or buffer
-    of the model is replaced by another tensor (checked at every request, see `weights_key`) or when graphs are
-    switched on or off.
+    bucket). Graphs hold the addresses of the tensors they read and the kernels chosen when they were captured, so
+    everything is dropped when any parameter or buffer of the model is replaced by another tensor (checked at every
+    request, see `weights_key`), when the attention or experts implementation changes (`set_attn_implementation`,
+    `set_experts_implementation`), or when graphs are switched on or off.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.workspaces: OrderedDict[tuple[int, int], GenerationWorkspace] = OrderedDict()
         self.graph_pool = None
-        self.weights_key = None
+        self.captured_against = None  # what the kept steps were built for: weights, graphs, kernels
 
     def __deepcopy__(self, memo) -> StaticGenerationState:
         # A copy of the model has its own weights; the workspaces and graphs here belong to the original.
@@ -285,10 +286,16 @@ class StaticGenerationState:
 
     def workspace(self, model, batch_size: int, num_slots: int, use_graphs: bool) -> GenerationWorkspace:
         """The workspace for this request, created if needed. Call with `lock` held."""
-        key_of_weights = (weights_key(model), use_graphs)
-        if key_of_weights != self.weights_key:
+        text_config = model.language_model.config
+        captured_against = (
+            weights_key(model),
+            use_graphs,
+            text_config._attn_implementation,
+            text_config._experts_implementation,
+        )
+        if captured_against != self.captured_against:
             self.clear()
-            self.weights_key = key_of_weights
+            self.captured_against = captured_against
         key = (batch_bucket(batch_size), num_slots)
         if key in self.workspaces:
             self.workspaces.move_to_end(key)
@@ -304,7 +311,7 @@ class StaticGenerationState:
         """Drop all workspaces and graphs. Call with `lock` held."""
         self.workspaces.clear()
         self.graph_pool = None
-        self.weights_key = None
+        self.captured_against = None
 
 
 __all__ = [

@@ -224,6 +224,33 @@ def test_replacing_any_weight_tensor_drops_the_workspaces_writing_in_place_keeps
     assert torch.equal(model.generate(**request, **settings), expected["mm_generated"][:, : prompt_length + 4])
 
 
+def test_changing_the_attention_or_experts_implementation_drops_the_workspaces(model, expected):
+    """Captured steps keep the kernels chosen at capture: another implementation needs new steps."""
+    request = fixture_request(expected)
+    settings = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    prompt_length = request["input_ids"].shape[1]
+
+    def generate_and_workspace():
+        tokens = model.generate(**request, **settings)
+        assert torch.equal(tokens, expected["mm_generated"][:, : prompt_length + 4])
+        (workspace,) = model._static_generation_state().workspaces.values()
+        return workspace
+
+    text_config = model.language_model.config
+    attn_implementation, experts_implementation = text_config._attn_implementation, text_config._experts_implementation
+    first = generate_and_workspace()
+    assert generate_and_workspace() is first
+    try:
+        model.set_attn_implementation("eager" if attn_implementation == "sdpa" else "sdpa")
+        second = generate_and_workspace()
+        assert second is not first
+        model.set_experts_implementation("batched_mm" if experts_implementation != "batched_mm" else "grouped_mm")
+        assert generate_and_workspace() is not second
+    finally:  # the model is shared with other tests
+        model.set_attn_implementation(attn_implementation)
+        model.set_experts_implementation(experts_implementation)
+
+
 def test_workspaces_are_bounded_least_recently_used_first(model, monkeypatch):
     monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MAX_WORKSPACES", 2)
     short, long = torch.arange(20, 40)[None], torch.arange(1, 261)[None]  # + 3 new tokens: 256 and 512 slots
