@@ -16,7 +16,10 @@ CPU sections (default: all three), results in benchmarks/results/bench_quantizat
              the last new token, repeats alternating between the two models.
 
 GPU (--gpu, one CUDA device; results in bench_quantization_cuda_full.json): the full A3B config with random weights,
-bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and 8 and peak device memory.
+bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and 8 and peak device memory; and, per
+model, its last layer's routed experts called alone at decode sizes (batch 1 and 8, random routing), for int8 also with
+the fused kernel switched off (the torch gather path), as time per call and as the chosen experts' stored bytes per
+second (decode is memory-bound: the int8 target is about half of bf16's time).
 `--gpu --size small --device cpu` runs the same logic on CPU with the small config (a check, not a measurement).
 
     python -m benchmarks.bench_quantization [--sections weights,load,decode] [--workdir FOLDER]
@@ -24,6 +27,8 @@ bf16 and int8 in turn in one process, static-path decode tokens/s at batch 1 and
 """
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -43,7 +48,14 @@ from benchmarks.bench_generate import (
     random_model,
     timed_generation,
 )
-from benchmarks.common import REPO_ROOT, child_command, process_status_bytes, scratch_folder, write_result
+from benchmarks.common import (
+    REPO_ROOT,
+    child_command,
+    mean_seconds,
+    process_status_bytes,
+    scratch_folder,
+    write_result,
+)
 
 GIB = 2**30
 CARD_BYTES = 24 * GIB  # a "24 GB" card (RTX 3090 / 4090: 24 GiB)
@@ -51,6 +63,7 @@ CACHE_TOKENS = 32 * 1024
 # Held back from the card for the CUDA context, allocator slack and activations of a decode step (an assumption,
 # stated in the result; the transient K/V expansion of one layer at 32K tokens is counted separately below).
 RUNTIME_ALLOWANCE_BYTES = 1 * GIB
+EXPERTS_CALL_REPEATS = 50  # calls of one layer's experts, each well under a millisecond on a GPU
 INT4_GROUP_SIZE = 128  # divides every A3B input size (2048, 1408, 11264)
 # The load benchmark's architecture: A3B-like MoE layers, narrower, 4 of them (~1.6 GB in bf16).
 LOAD_TEXT_CONFIG = dict(hidden_size=1024, moe_intermediate_size=1024, n_routed_experts=64, num_hidden_layers=5,
@@ -237,6 +250,43 @@ def random_int8_model(size: str, device: str, dtype: torch.dtype):
     return model.eval()
 
 
+@contextlib.contextmanager
+def fused_kernel_switched_off():
+    """The quantized modules look `fused_kernel_runs_on` up in their module at call time: answer no while inside."""
+    from modeling_kimi_vl import quantization_kimi_vl
+
+    original = quantization_kimi_vl.fused_kernel_runs_on
+    quantization_kimi_vl.fused_kernel_runs_on = lambda device: False
+    try:
+        yield
+    finally:
+        quantization_kimi_vl.fused_kernel_runs_on = original
+
+
+def experts_section(model, device: str, repeats: int) -> dict:
+    """The last layer's routed experts alone at decode sizes: seconds per call and stored bytes of the chosen experts
+    per second. Routing is random (the same draw for every model)."""
+    experts = model.language_model.model.layers[-1].mlp.experts
+    config = model.config.text_config
+    expert_bytes = sum(
+        parameter.numel() * parameter.element_size() // config.n_routed_experts
+        for parameter in experts.parameters()  # weights and scales, all with the experts as leading dimension
+    )
+    generator = torch.Generator().manual_seed(2)
+    results = {}
+    for batch_size in (1, 8):
+        scores = torch.rand(batch_size, config.n_routed_experts, generator=generator)
+        top_k_index = scores.topk(config.num_experts_per_tok, dim=-1).indices
+        top_k_weights = torch.full(top_k_index.shape, 1 / config.num_experts_per_tok)
+        hidden_states = torch.randn(batch_size, config.hidden_size, generator=generator).to(model.dtype)
+        call_args = [tensor.to(device) for tensor in (hidden_states, top_k_index, top_k_weights)]
+        chosen_bytes = top_k_index.unique().numel() * expert_bytes
+        with torch.no_grad():
+            seconds = mean_seconds(functools.partial(experts, *call_args), repeats)
+        results[str(batch_size)] = {"seconds": seconds, "chosen_bytes_per_s": chosen_bytes / seconds}
+    return results
+
+
 def gpu_section(args, save) -> dict:
     """bf16 (float32 on CPU) then int8; `save(results)` after each, so a run stopped by its time limit keeps what it
     measured."""
@@ -265,13 +315,22 @@ def gpu_section(args, save) -> dict:
                                      for _ in range(args.repeats))  # fmt: skip
             rates[str(batch_size)] = batch_size / step
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        results[label] = {"weight_bytes": weights, "static_decode_tokens_per_s": rates, "peak_memory_bytes": peak}
+        results[label] = {"weight_bytes": weights, "static_decode_tokens_per_s": rates, "peak_memory_bytes": peak,
+                          "experts_call": experts_section(model, device, EXPERTS_CALL_REPEATS)}  # fmt: skip
+        if label == "int8":
+            with fused_kernel_switched_off():
+                results["int8"]["experts_call_torch_path"] = experts_section(model, device, EXPERTS_CALL_REPEATS)
         save(results)
         del model, run
     results[f"int8_decode_speed_vs_{baseline}"] = {
         batch: rate / results[baseline]["static_decode_tokens_per_s"][batch]
         for batch, rate in results["int8"]["static_decode_tokens_per_s"].items()
     }
+    results[f"int8_experts_call_time_vs_{baseline}"] = {
+        path: {batch: timing["seconds"] / results[baseline]["experts_call"][batch]["seconds"]
+               for batch, timing in results["int8"][path].items()}
+        for path in ("experts_call", "experts_call_torch_path")
+    }  # fmt: skip
     return results
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of the fast generation paths, on one CUDA device (sized for an H200):
 #   1. the CUDA-only tests: graph capture and replay (every read bucket), graph-on == graph-off == plain generate,
-#      capture refusal, the quantized static path under graphs;
+#      capture refusal, the quantized static path under graphs, the compiled fused weight-only kernel;
 #   2. benchmarks.bench_long_context --gpu: full Kimi-VL-A3B config with random bf16 weights, decode ms/step at
 #      contexts 1K, 8K and 32K, batch 1 and 8: expanded vs absorbed MLA attention on plain generate(), and the static
 #      path (CUDA graphs) with automatic and fixed capacity; batch-1 decode as a share of the bandwidth limit counting
@@ -10,7 +10,8 @@
 #   3. benchmarks.bench_generate --gpu: decode tokens/s at batch 1/8/32 and time to first token against plain
 #      generate() and transformers' static+compile. Results: benchmarks/results/bench_generate_cuda_full.json;
 #   4. benchmarks.bench_quantization --gpu: the same config in bf16 and then weight-only int8, static-path decode
-#      tokens/s at batch 1 and 8 and peak memory. Results: benchmarks/results/bench_quantization_cuda_full.json.
+#      tokens/s at batch 1 and 8 and peak memory, and one layer's experts alone (int8 fused kernel and torch path vs
+#      bf16). Results: benchmarks/results/bench_quantization_cuda_full.json.
 # Under 8 minutes by design: every stage has a hard limit and the limits add up to 480 s (90 + 90 + 210 + 90). A
 # benchmark variant that overruns is stopped and named in its JSON; measurements that would start after a stage's
 # budget are skipped and named too. A stage that fails or overruns does not stop the later ones (a GPU session may
@@ -43,7 +44,7 @@ stage() {
 # The test_cuda_* tests skip without CUDA; with it they must run, so a skip here counts as a failure.
 cuda_tests() {
     timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_generation_fast.py tests/test_quantization.py \
-        -k test_cuda_ -rs | tee /tmp/gpu_check_tests.log || return
+        tests/test_fused_experts.py -k test_cuda_ -rs | tee /tmp/gpu_check_tests.log || return
     if grep -q "skipped" /tmp/gpu_check_tests.log; then
         echo "gpu_check.sh: CUDA tests were skipped on a CUDA machine" >&2
         return 1

@@ -27,12 +27,14 @@ experts' as one `[experts, rows]` tensor per projection and layer) and the `quan
 that folder loads them as they are.
 
 Routed experts run through transformers' `experts_implementation` dispatch, with quantized kernels under the same
-names: `batched_mm` gathers the int8 rows of the experts each token chose (decode reads only those); `grouped_mm`
-does that too while there are fewer (token, expert) pairs than experts, and otherwise dequantises all experts once
-and runs transformers' grouped matmul (prefill, where nearly every expert is hit anyway). Both are free of host
-syncs and data-dependent shapes, so the static path captures them in CUDA graphs. `eager` loops over the hit experts.
-The gather is a copy, and the int8 rows are cast to the compute dtype before the batched matmul: plain torch has no
-kernel that multiplies by int8 rows picked with a device-side index, which is what a fused kernel would add.
+names. Decode-sized inputs (at most `FUSED_MAX_PAIRS_PER_WEIGHT` (token, expert) pairs per expert) read only the experts
+the tokens chose: on CUDA through a Triton kernel that reads them as stored and dequantises in registers
+(`fused_experts_kimi_vl.py`, so decode reads the int8 bytes once: about half of bf16), elsewhere by gathering the
+chosen rows and casting them before a batched matmul. Larger inputs (prefill, where nearly every expert is hit anyway)
+dequantise all experts once and run transformers' grouped matmul; the torch gather is kept while there are fewer pairs
+than experts. The choice depends on shapes and the device alone, never on device values, so a captured step always
+takes the same branch, and no branch syncs with the host: the static path captures them all in CUDA graphs. `eager`
+loops over the hit experts. int4 linear layers use the same kernel for decode-sized inputs on CUDA (one "expert").
 """
 
 from __future__ import annotations
@@ -55,11 +57,18 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .fused_experts_kimi_vl import fused_kernel_runs_on, weight_only_rows_matmul
 from .transformers_compat_modeling import QUANTIZATION_MIN_TRANSFORMERS_VERSION, quantization_supported
 
 QUANT_METHOD = "kimi_vl_weight_only"
 # Modules kept in the model dtype unless the config names its own list (see the module docstring for why).
 DEFAULT_MODULES_TO_NOT_CONVERT = ("vision_tower", "multi_modal_projector", "kv_b_proj")
+# Up to this many rows (or (token, expert) pairs) per stored weight, the fused kernel multiplies each by the rows of its
+# own weight; above it, dequantising the weights once and running a dense matmul is cheaper. By bytes: dequantising
+# int8 experts reads 1 byte per weight, writes 2 and reads them back (5, int4: 9 units of stored size), while the kernel
+# reads at most 1 unit per pair (less when pairs share an expert and hit L2). 4 stays below both crossovers; the
+# compute-bound side (the kernel uses no tensor cores) is for the GPU benchmark to refine.
+FUSED_MAX_PAIRS_PER_WEIGHT = 4
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,6 +88,7 @@ class Int8Scheme:
     name = "int8"
     storage_dtype = torch.int8
     bits = 8
+    group_size = None  # one scale per output channel
 
     def packed_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
         return out_features, in_features
@@ -145,6 +155,12 @@ class Int4Scheme:
         return (unpacked.unflatten(-1, (-1, self.group_size)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
 
     def linear(self, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        flat = inputs.reshape(-1, inputs.shape[-1])
+        if fused_kernel_runs_on(flat.device) and flat.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
+            # Decode: read the packed weight once instead of writing and reading a dequantized copy of it.
+            only_weight = torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device)
+            out = weight_only_rows_matmul(flat, qweight[None], scale[None], only_weight, 1, self.group_size)
+            return out.view(*inputs.shape[:-1], qweight.shape[0])
         return F.linear(inputs, self.dequantize(qweight, scale, inputs.dtype))
 
     def expert_matmul(self, inputs: torch.Tensor, qweights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -226,27 +242,46 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
 
+def chosen_experts_matmul(
+    scheme, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, repeats: int
+) -> torch.Tensor:
+    """Pair p multiplies input row `p // repeats` by the quantized expert `expert_ids[p]`; only chosen experts are
+    read. `[pairs, out]`."""
+    if fused_kernel_runs_on(inputs.device):
+        return weight_only_rows_matmul(inputs, qweight, scale, expert_ids, repeats, scheme.group_size)
+    rows = inputs.repeat_interleave(repeats, dim=0) if repeats > 1 else inputs
+    return scheme.expert_matmul(rows, qweight[expert_ids], scale[expert_ids])
+
+
 def weight_only_batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    """Each (token, expert) pair multiplies by its own expert's quantized rows, gathered by index: only the chosen
-    experts are read. Memory grows with the pairs (like transformers' `batched_mm`): meant for decode."""
+    """Each (token, expert) pair multiplies by its own expert's quantized rows: only the chosen experts are read.
+    Without the fused kernel the rows are gathered (memory grows with the pairs, like transformers' `batched_mm`)."""
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.shape[-1]
-    expert_ids = top_k_index.reshape(-1)  # [S], S = tokens * top_k
-    states = hidden_states.repeat_interleave(num_top_k, dim=0)  # [S, hidden]
-    gate_up = self.scheme.expert_matmul(states, self.gate_up_proj[expert_ids], self.gate_up_proj_scale[expert_ids])
-    down = self.scheme.expert_matmul(
-        self._apply_gate(gate_up), self.down_proj[expert_ids], self.down_proj_scale[expert_ids]
+    expert_ids = top_k_index.reshape(-1)  # [S], S = tokens * top_k, token-major
+    gate_up = chosen_experts_matmul(
+        self.scheme, hidden_states, self.gate_up_proj, self.gate_up_proj_scale, expert_ids, num_top_k
+    )
+    down = chosen_experts_matmul(
+        self.scheme, self._apply_gate(gate_up), self.down_proj, self.down_proj_scale, expert_ids, 1
     )
     weighted = down * top_k_weights.reshape(-1, 1).to(down.dtype)
     # Summed per token in a fixed order (deterministic, unlike index_add_ on CUDA).
     return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
 
+def reads_only_chosen_experts(num_pairs: int, num_experts: int, device: torch.device) -> bool:
+    """Whether multiplying by the chosen experts' rows beats dequantising every expert (shapes and device only)."""
+    if fused_kernel_runs_on(device):
+        return num_pairs <= FUSED_MAX_PAIRS_PER_WEIGHT * num_experts
+    # The torch gather copies and casts every pair's rows: worth it only while there are fewer pairs than experts.
+    return num_pairs < num_experts
+
+
 def weight_only_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    """Pairs sorted by expert, one grouped matmul per projection over the dequantized experts (prefill). With fewer
-    pairs than experts, gathering the chosen experts reads less: that is decided from shapes alone, so a captured
-    step always takes the same branch."""
-    if top_k_index.numel() < self.num_experts:
+    """Pairs sorted by expert, one grouped matmul per projection over the dequantized experts (prefill). Decode-sized
+    inputs take the chosen-experts path instead (`reads_only_chosen_experts`)."""
+    if reads_only_chosen_experts(top_k_index.numel(), self.num_experts, hidden_states.device):
         return weight_only_batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     dtype = hidden_states.dtype
     num_tokens, hidden_dim = hidden_states.shape
