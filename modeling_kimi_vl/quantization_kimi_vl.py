@@ -34,7 +34,8 @@ chosen rows and casting them before a batched matmul. Larger inputs (prefill, wh
 dequantise all experts once and run transformers' grouped matmul; the torch gather is kept while there are fewer pairs
 than experts. The choice depends on shapes and the device alone, never on device values, so a captured step always
 takes the same branch, and no branch syncs with the host: the static path captures them all in CUDA graphs. `eager`
-loops over the hit experts. int4 linear layers use the same kernel for decode-sized inputs on CUDA (one "expert").
+loops over the hit experts. Linear layers use the same kernel for decode-sized inputs on CUDA (one "expert" that every
+row chose); larger inputs dequantize and run a dense matmul (on CPU, int8 runs torch's `_weight_int8pack_mm`).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ QUANT_METHOD = "kimi_vl_weight_only"
 # Modules kept in the model dtype unless the config names its own list (see the module docstring for why).
 DEFAULT_MODULES_TO_NOT_CONVERT = ("vision_tower", "multi_modal_projector", "kv_b_proj")
 # Up to this many rows (or (token, expert) pairs) per stored weight, the fused kernel multiplies each by the rows of its
-# own weight; above it, dequantising the weights once and running a dense matmul is cheaper. By bytes: dequantising
-# int8 experts reads 1 byte per weight, writes 2 and reads them back (5, int4: 9 units of stored size), while the kernel
-# reads at most 1 unit per pair (less when pairs share an expert and hit L2). 4 stays below both crossovers; the
-# compute-bound side (the kernel uses no tensor cores) is for the GPU benchmark to refine.
-FUSED_MAX_PAIRS_PER_WEIGHT = 4
+# own weight; above it, dequantizing the weights once and running a tensor-core matmul is cheaper. The arithmetic, in
+# units of the stored weight's bytes: dequantizing reads 1, writes and reads back 2 (int8; int4: 1 + 4 + 4), and the
+# matmul is then memory-bound. The kernel reads each weight once from memory (the other rows' reads of it come from
+# L2, see fused_experts_kimi_vl.py) but does one fused multiply-add per weight and row on CUDA cores, about 1/7 unit of
+# an H200's bandwidth time for int8: 8 rows ~ 2 units, under the dequantize path's 5. To be refined from the GPU
+# benchmark (bench_quantization.py --gpu), which has not run yet.
+FUSED_MAX_PAIRS_PER_WEIGHT = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -105,7 +108,11 @@ class Int8Scheme:
         return qweight.to(dtype) * scale.to(dtype).unsqueeze(-1)
 
     def linear(self, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # One kernel that reads the int8 weight and scales the output (CPU and CUDA); it takes 2-D inputs.
+        if inputs.device.type != "cpu":
+            # torch's CUDA `_weight_int8pack_mm` is one untiled thread per output (uncoalesced weight reads): for
+            # inputs too large for the fused kernel, dequantizing once and using cuBLAS is far faster.
+            return F.linear(inputs, self.dequantize(qweight, scale, inputs.dtype))
+        # The CPU kernel reads the int8 weight and scales the output; it takes 2-D inputs.
         flat = inputs.reshape(-1, inputs.shape[-1])
         out = torch._weight_int8pack_mm(flat.contiguous(), qweight, scale.to(flat.dtype))
         return out.view(*inputs.shape[:-1], qweight.shape[0])
@@ -155,12 +162,6 @@ class Int4Scheme:
         return (unpacked.unflatten(-1, (-1, self.group_size)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
 
     def linear(self, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        flat = inputs.reshape(-1, inputs.shape[-1])
-        if fused_kernel_runs_on(flat.device) and flat.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
-            # Decode: read the packed weight once instead of writing and reading a dequantized copy of it.
-            only_weight = torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device)
-            out = weight_only_rows_matmul(flat, qweight[None], scale[None], only_weight, 1, self.group_size)
-            return out.view(*inputs.shape[:-1], qweight.shape[0])
         return F.linear(inputs, self.dequantize(qweight, scale, inputs.dtype))
 
     def expert_matmul(self, inputs: torch.Tensor, qweights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -236,6 +237,14 @@ class WeightOnlyLinear(nn.Module):
         self.weight, self.weight_scale = empty_quantized((), out_features, in_features, scheme)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs.reshape(-1, inputs.shape[-1])
+        if fused_kernel_runs_on(rows.device) and rows.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
+            # Decode: read the stored weight once, as one "expert" that every row chose.
+            only_weight = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+            out = weight_only_rows_matmul(
+                rows, self.weight[None], self.weight_scale[None], only_weight, 1, self.scheme.group_size
+            )
+            return out.view(*inputs.shape[:-1], self.out_features)
         return self.scheme.linear(inputs, self.weight, self.weight_scale)
 
     def extra_repr(self) -> str:

@@ -9,8 +9,9 @@ every difference is reported.
 - `<scheme>.logits`: the tiny reference checkpoint quantized on load, logits on the fixture's prompts with the
   `batched_mm` experts (every pair through the kernel, prefill included).
 - `<scheme>.plain` / `<scheme>.static`: greedy tokens of plain `generate()` and of the static path with the default
-  `grouped_mm` experts (prefill dequantises, decode goes through the kernel, as int4 linear layers do).
-- report: kernel launches per scheme, so the test knows the model really went through the kernel.
+  `grouped_mm` experts (prefill dequantises, decode goes through the kernel, and so do the linear layers).
+- report: kernel launches per scheme, for linear layers and for experts, so the test knows the model really went
+  through the kernel.
 """
 
 import argparse
@@ -92,16 +93,17 @@ def main() -> None:
             case_inputs["repeats"], case_inputs["scheme"].group_size,
         )  # fmt: skip
 
-    # Count the model's launches: the quantized modules look the kernel up in their module at call time.
-    launches = {"count": 0}
+    # Count the model's launches by kind: the quantized modules look the kernel up in their module at call time.
+    launches = {}
 
-    def counted(*call_args, **call_kwargs):
-        launches["count"] += 1
-        return weight_only_rows_matmul(*call_args, **call_kwargs)
+    def counted(inputs, qweight, *rest):
+        kind = "linear" if qweight.shape[0] == 1 else "experts"  # a linear goes in as one "expert"
+        launches[kind] = launches.get(kind, 0) + 1
+        return weight_only_rows_matmul(inputs, qweight, *rest)
 
     quantization_kimi_vl.weight_only_rows_matmul = counted
     for scheme in SCHEMES:
-        launches["count"] = 0
+        launches.clear()
         results[f"{scheme}.logits"] = fixture_logits(
             load_quantized(args.checkpoint, scheme, experts_implementation="batched_mm"), expected
         )
@@ -111,7 +113,7 @@ def main() -> None:
         results[f"{scheme}.static"] = model.generate(
             **request, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
         )
-        report["launches"][scheme] = launches["count"]
+        report["launches"][scheme] = dict(launches)
 
     args.out.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in results.items()}, args.out / "results.safetensors")
