@@ -108,7 +108,8 @@ def weights_section() -> dict:
     text = config.text_config
     latent_per_token = text.num_hidden_layers * (text.kv_lora_rank + text.qk_rope_head_dim) * 2  # bf16
     cache_bytes = CACHE_TOKENS * latent_per_token
-    # transformers' DeepSeek-V3 attention re-expands the whole cache through kv_b_proj, one layer at a time.
+    # Decode reads the latent as it is (absorbed MLA), but a prefill longer than the absorbed form's limit expands the
+    # whole prompt's latent through kv_b_proj, one layer at a time: a 32K-token prompt's keys and values.
     expansion_bytes = CACHE_TOKENS * text.num_attention_heads * (text.qk_nope_head_dim + text.qk_rope_head_dim
                                                                  + text.v_head_dim) * 2  # fmt: skip
     schemes = {}
