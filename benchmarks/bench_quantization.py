@@ -112,17 +112,22 @@ def weights_section() -> dict:
     # whole prompt's latent through kv_b_proj, one layer at a time: a 32K-token prompt's keys and values.
     expansion_bytes = CACHE_TOKENS * text.num_attention_heads * (text.qk_nope_head_dim + text.qk_rope_head_dim
                                                                  + text.v_head_dim) * 2  # fmt: skip
+    # A quantized prefill dequantizes one layer's experts, one projection at a time (gate_up is the larger), in bf16.
+    dequantized_experts_bytes = text.n_routed_experts * 2 * text.moe_intermediate_size * text.hidden_size * 2
     schemes = {}
     for label, scheme in (("bf16", None), ("int8", "int8"), (f"int4_group{INT4_GROUP_SIZE}", "int4")):
         weights = parameter_bytes(quantized_skeleton(config, scheme))
-        needed = weights["total"] + cache_bytes + expansion_bytes + RUNTIME_ALLOWANCE_BYTES
+        transient = expansion_bytes + (dequantized_experts_bytes if scheme else 0)
+        needed = weights["total"] + cache_bytes + transient + RUNTIME_ALLOWANCE_BYTES
         schemes[label] = {**weights, "total_gib": round(weights["total"] / GIB, 2),
+                          "prefill_transient_bytes": transient,
                           "with_32k_cache_and_allowance_gib": round(needed / GIB, 2),
                           "fits_24_gib": needed <= CARD_BYTES}  # fmt: skip
     return {
         "model": "Kimi-VL-A3B (kimi_vl_a3b_config), meta device",
         "latent_cache_32k_tokens_bytes": cache_bytes,
         "kv_expansion_one_layer_32k_tokens_bytes": expansion_bytes,
+        "dequantized_experts_one_projection_bytes": dequantized_experts_bytes,
         "runtime_allowance_bytes": RUNTIME_ALLOWANCE_BYTES,
         "card_bytes": CARD_BYTES,
         "schemes": schemes,
