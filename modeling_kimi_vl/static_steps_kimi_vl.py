@@ -115,8 +115,11 @@ class GenerationWorkspace:
     the input buffers of the steps, and the steps themselves (one prefill step per prompt bucket and one decode step
     per read bucket, at most MAX_PREFILL_STEPS and MAX_DECODE_STEPS of them, least recently used first out).
 
-    The prefill inputs are one `[batch, slots, ...]` buffer each, which every prompt bucket reads a leading view of,
-    so a new prompt bucket costs a graph, not new input buffers.
+    The prefill inputs are one `[batch, length, ...]` buffer each, which every prompt bucket reads a leading view of,
+    so a new prompt bucket costs a graph, not new input buffers. Their length follows the longest prompt bucket seen,
+    not the capacity (a server-sized `max_cache_len` would otherwise hold batch x capacity x hidden for embeddings no
+    prompt fills): they grow, at least doubling, when a longer prompt comes, and the prefill steps captured over the
+    old buffers are dropped then.
     """
 
     def __init__(self, model, batch_size: int, num_slots: int, graph_pool):
@@ -129,14 +132,13 @@ class GenerationWorkspace:
         self.cache = StaticLatentCache(text_config.num_hidden_layers, num_slots)
         self.key_valid = torch.zeros(batch_size, num_slots, dtype=torch.bool, device=device)
         # Prefill inputs: prompt embeddings and rotary positions (the bucket's tail is filler), the cache slot of each
-        # prompt position, and the index of the last prompt token (a 1-D index for `logits_to_keep`). Sized for the
-        # longest prompt the cache can take, every bucket reading a prefix: batch x slots x hidden, on top of the
-        # latent cache's batch x slots x (kv_lora_rank + rope dim) per layer.
+        # prompt position, and the index of the last prompt token (a 1-D index for `logits_to_keep`). Allocated by the
+        # first prefill and grown by `_reserve_prefill_inputs`; every bucket reads a prefix.
         self.prefill_embeds = torch.zeros(
-            batch_size, num_slots, text_config.hidden_size, dtype=model.language_model.dtype, device=device
+            batch_size, 0, text_config.hidden_size, dtype=model.language_model.dtype, device=device
         )
-        self.prefill_positions = torch.zeros(batch_size, num_slots, dtype=torch.long, device=device)
-        self.prefill_slots = torch.arange(num_slots, device=device)
+        self.prefill_positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+        self.prefill_slots = torch.arange(0, device=device)
         self.prefill_last_index = torch.zeros(1, dtype=torch.long, device=device)
         self.prefill_steps: OrderedDict[int, StaticStep] = OrderedDict()
         # Decode inputs: the token fed at each row, its rotary position and its cache slot (shared by all rows). The
@@ -178,6 +180,18 @@ class GenerationWorkspace:
                 steps.popitem(last=False)
         return steps[key]
 
+    def _reserve_prefill_inputs(self, length: int) -> None:
+        """Make the prefill input buffers hold at least `length` positions (at least doubling, up to the capacity).
+        The prefill steps made so far read the old buffers (a captured graph keeps their addresses): they go too."""
+        held = self.prefill_slots.shape[0]
+        if length <= held:
+            return
+        size = min(self.num_slots, max(length, 2 * held))
+        self.prefill_steps.clear()
+        self.prefill_embeds = self.prefill_embeds.new_zeros(self.batch_size, size, self.prefill_embeds.shape[-1])
+        self.prefill_positions = self.prefill_positions.new_zeros(self.batch_size, size)
+        self.prefill_slots = torch.arange(size, device=self.prefill_slots.device)
+
     def _prefill_step(self, length: int) -> StaticStep:
         def prefill_forward():
             return self._run_language_model(
@@ -203,6 +217,7 @@ class GenerationWorkspace:
         up the decode buffers. Returns the logits of the last prompt token, `[batch, vocab]`."""
         batch_size, prompt_length = attention_mask.shape
         length = min(prompt_bucket(prompt_length), self.num_slots)
+        self._reserve_prefill_inputs(length)
         step = self._prefill_step(length)
         self.prefill_embeds[:, :length].zero_()
         self.prefill_embeds[:batch_size, :prompt_length].copy_(inputs_embeds)

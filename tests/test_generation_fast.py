@@ -184,17 +184,34 @@ def test_prompt_buckets_share_the_prefill_buffers_and_are_bounded_least_recently
         (workspace,) = model._static_generation_state().workspaces.values()
         return output, workspace
 
-    _, workspace = run(20)
+    _, workspace = run(100)
     embeds, positions = workspace.prefill_embeds, workspace.prefill_positions
-    assert embeds.shape == (1, 256, model.config.text_config.hidden_size) and positions.shape == (1, 256)
-    assert list(run(40)[1].prefill_steps) == [32, 64]
+    # Sized by the longest prompt bucket seen, not the 256-slot capacity.
+    assert embeds.shape == (1, 128, model.config.text_config.hidden_size) and positions.shape == (1, 128)
+    assert list(run(20)[1].prefill_steps) == [128, 32]
+    assert list(run(40)[1].prefill_steps) == [32, 64]  # a third bucket evicts the least recent
     assert list(run(20)[1].prefill_steps) == [64, 32]  # reused, now the most recent
-    assert list(run(100)[1].prefill_steps) == [32, 128]  # a third bucket evicts the least recent
-    evicted_again, workspace = run(40)
-    assert list(workspace.prefill_steps) == [128, 64]
+    evicted_again, workspace = run(100)
+    assert list(workspace.prefill_steps) == [32, 128]
     assert workspace.prefill_embeds is embeds and workspace.prefill_positions is positions
-    plain = model.generate(prompts[40], max_new_tokens=2, do_sample=False)
+    plain = model.generate(prompts[100], max_new_tokens=2, do_sample=False)
     assert torch.equal(evicted_again, plain)
+
+
+def test_prefill_buffers_grow_with_the_longest_prompt_and_drop_the_steps_made_over_the_old_ones(model):
+    settings = dict(max_new_tokens=2, do_sample=False, cache_implementation="static", max_cache_len=512)
+    hidden_size = model.config.text_config.hidden_size
+    model.generate(torch.arange(20, 40)[None], **settings)  # bucket 32
+    (workspace,) = model._static_generation_state().workspaces.values()
+    assert workspace.prefill_embeds.shape == (1, 32, hidden_size) and list(workspace.prefill_steps) == [32]
+    prompt = torch.arange(20, 70)[None]  # bucket 64: at least double the held 32
+    grown = model.generate(prompt, **settings)
+    assert workspace.prefill_embeds.shape == (1, 64, hidden_size) and workspace.prefill_positions.shape == (1, 64)
+    assert list(workspace.prefill_steps) == [64]  # the 32-bucket step read the old buffers: dropped
+    assert torch.equal(grown, model.generate(prompt, max_new_tokens=2, do_sample=False))
+    long_prompt = (torch.arange(400) % 250 + 20)[None]  # bucket 512 = the capacity: 400 prompt + 2 new tokens fit
+    model.generate(long_prompt, **settings)
+    assert workspace.prefill_embeds.shape == (1, 512, hidden_size)
 
 
 def test_replacing_any_weight_tensor_drops_the_workspaces_writing_in_place_keeps_them(model, expected):
