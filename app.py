@@ -232,6 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantize", choices=KimiVLWeightOnlyConfig.SCHEMES,
                         help="load the language model's weights as int8 (per channel; Kimi-VL-A3B fits a 24 GB GPU) or "
                              "int4 (groups of 128 inputs)")  # fmt: skip
+    parser.add_argument("--max-context", type=int,
+                        help="longest conversation in tokens, new tokens included (default: the model's context, 128K "
+                             "for Kimi-VL-A3B). On CUDA the cache holds this many tokens from the start: with int8 "
+                             "weights on a 24 GB GPU use 32768")  # fmt: skip
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest accepted image file (default 20)")
     parser.add_argument("--max-images", type=int, default=8, help="most images in one message (default 8)")
     parser.add_argument(
@@ -258,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_image_mb", "max_images", "max_conversation_image_mb", "queue_size"):
         if not 0 < getattr(args, name) < math.inf:  # also refuses the floats nan and inf, which are no limits
             parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(args, name)}")
+    if args.max_context is not None and args.max_context <= 0:
+        parser.error(f"--max-context must be a positive number of tokens, got {args.max_context}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
     return args
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     checkpoint = resolve_checkpoint(args.model, args.cache_dir)
     limits = InputLimits(args.max_images, args.max_image_mb, args.max_conversation_image_mb)
-    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos, quantize=args.quantize)
+    engine = ChatEngine(checkpoint, device, dtype, limits, ignore_eos=args.ignore_eos, quantize=args.quantize,
+                        max_context=args.max_context)  # fmt: skip
     log(f"ready: {checkpoint.name} ({checkpoint.kind}), context {engine.context_length} tokens")
     demo = build_demo(engine)
     demo.queue(max_size=args.queue_size)

@@ -66,6 +66,7 @@ class ChatEngine:
         limits: InputLimits,
         ignore_eos: bool = False,
         quantize: str | None = None,
+        max_context: int | None = None,
     ):
         if not SANITIZING_SUPPORTED:  # every prompt is built with it: the demo would fail on the first question
             raise RuntimeError(
@@ -82,7 +83,14 @@ class ChatEngine:
         log(f"loading {checkpoint.name} onto {device} in {dtype}" + (f", {quantize} weights" if quantize else ""))
         self.model = load_model(checkpoint.path, dtype, device, quantize)
         self.model.eval()
-        self.context_length = self.model.config.text_config.max_position_embeddings
+        # The longest conversation (prompt plus new tokens) accepted; on CUDA also the static cache's capacity, whose
+        # MLA latent is allocated in full (about 31 KB per token for Kimi-VL-A3B in bf16: 4 GB for its 128K context).
+        model_context = self.model.config.text_config.max_position_embeddings
+        if max_context is not None and not 0 < max_context <= model_context:
+            raise SystemExit(
+                f"--max-context {max_context} is not between 1 and the model's context of {model_context} tokens."
+            )
+        self.context_length = model_context if max_context is None else max_context
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.image_placeholder_id = self.model.config.media_placeholder_token_id
         pad_token_id = self.processor.tokenizer.pad_token_id
@@ -182,10 +190,10 @@ class ChatEngine:
             if settings.temperature > 0
             else {"do_sample": False}
         )
-        # On CUDA the static path replays the language model from CUDA graphs. One fixed capacity (the whole context)
-        # gives every request the same workspace and graphs; it costs memory (the MLA latent: ~4 GB in bf16 for
-        # Kimi-VL-A3B's 128K), not speed, as decode reads only the filled slots. On CPU, plain generate() measured at
-        # least as fast (benchmarks/bench_generate.py, README "Fast generation").
+        # On CUDA the static path replays the language model from CUDA graphs. One fixed capacity (the whole context,
+        # or --max-context) gives every request the same workspace and graphs; it costs memory (the MLA latent: ~4 GB
+        # in bf16 for Kimi-VL-A3B's 128K), not speed, as decode reads only the filled slots. On CPU, plain generate()
+        # measured at least as fast (benchmarks/bench_generate.py, README "Fast generation").
         cache = (
             {"cache_implementation": "static", "max_cache_len": self.context_length}
             if self.model.device.type == "cuda"

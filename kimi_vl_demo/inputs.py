@@ -90,6 +90,6 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int) 
     if prompt_tokens + max_new_tokens > context_length:
         raise InputError(
             f"The conversation is {prompt_tokens} tokens long; with up to {max_new_tokens} new tokens it would not fit "
-            f"the model's context of {context_length} tokens. Clear the chat, send fewer or smaller images, or lower "
+            f"the demo's context of {context_length} tokens. Clear the chat, send fewer or smaller images, or lower "
             "'Max new tokens'."
         )

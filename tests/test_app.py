@@ -203,7 +203,7 @@ def test_a_conversation_whose_images_overflow_the_context_is_refused_before_any_
     # 16 images of 64 tokens each fill the 1024-token context before the text and the answer: a refusal that the
     # images' headers alone decide.
     history = [user("first", *large_pngs(tmp_path, "a", 8)), answer("ok"), user("more", *large_pngs(tmp_path, "b", 8))]
-    with pytest.raises(InputError, match=r"would not fit the model's context of 1024 tokens"):
+    with pytest.raises(InputError, match=r"would not fit the demo's context of 1024 tokens"):
         engine.prepare(history, 24, {})
     assert decodes == []
 
@@ -363,6 +363,25 @@ def test_limits_on_the_command_line_must_be_positive_and_finite(value, capsys):
     assert f"--max-image-mb must be a positive finite number, got {float(value)}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_context_on_the_command_line_must_be_positive(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--max-context", value])
+    assert f"--max-context must be a positive number of tokens, got {value}" in capsys.readouterr().err
+
+
+def test_max_context_bounds_the_conversation_and_cannot_exceed_the_model(engine, tmp_path):
+    checkpoint = engine.checkpoint
+    with pytest.raises(SystemExit, match="--max-context 2048 is not between 1 and the model's context of 1024 tokens"):
+        ChatEngine(checkpoint, "cpu", torch.float32, LIMITS, max_context=2048)
+    smaller = ChatEngine(checkpoint, "cpu", torch.float32, LIMITS, max_context=256)
+    assert smaller.context_length == 256
+    history = [user("four images", *large_pngs(tmp_path, "a", 4))]  # 4 x 64 image tokens: fits 1024, not 256
+    engine.prepare(history, 8, {})
+    with pytest.raises(InputError, match=r"would not fit the demo's context of 256 tokens"):
+        smaller.prepare(history, 8, {})
+
+
 def test_model_kind_and_default_settings():
     assert model_kind("moonshotai/Kimi-VL-A3B-Thinking-2506") == "thinking"
     assert model_kind("moonshotai/Kimi-VL-A3B-Instruct") == "instruct"
@@ -491,7 +510,7 @@ def test_bad_input_gives_a_message_and_the_session_goes_on(demo_url, png, corrup
     assert plain_answers(chat) == []
 
     _, chat = send(client, "word " * 1200)  # over the tiny model's 1024-token context
-    assert "would not fit the model's context of 1024 tokens" in texts(chat)[-1]
+    assert "would not fit the demo's context of 1024 tokens" in texts(chat)[-1]
     assert plain_answers(chat) == []
 
     _, chat = send(client, "What colour is this?", png)
