@@ -37,6 +37,8 @@ PROJECTOR = "multi_modal_projector"
 VISION_TOWER = "vision_tower"
 MERGED_FOLDER = "merged"
 DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 1e-5}
+DEFAULT_LORA_RANK = 16
+DEFAULT_LORA_ALPHA = 32
 # TrainingArguments' gradient_checkpointing* are activation_checkpointing* in transformers 5.24 (the old names warn);
 # older 5.x releases have only the old names.
 CHECKPOINTING_ARGUMENT = next(
@@ -160,7 +162,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     method = parser.add_mutually_exclusive_group()
     method.add_argument("--lora", action="store_true", help="train a LoRA adapter (default)")
     method.add_argument("--full", action="store_true", help="train all language model weights (vision tower frozen)")
-    parser.add_argument("--merge", action="store_true", help="LoRA: also write OUTPUT/merged/, original layout")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, help="optimizer steps to run (overrides --epochs)")
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
@@ -183,9 +184,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bfloat16 mixed precision; with LoRA the frozen base weights are also stored in bfloat16",
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--lora-alpha", type=int, default=32)
-    parser.add_argument("--lora-experts", action="store_true", help="LoRA on the routed experts too")
+    # The LoRA options default to None so that one given with --full can be told from its default and refused.
+    lora = parser.add_argument_group("LoRA options (not with --full)")
+    lora_options = [
+        lora.add_argument("--lora-rank", type=int, help=f"default {DEFAULT_LORA_RANK}"),
+        lora.add_argument("--lora-alpha", type=int, help=f"default {DEFAULT_LORA_ALPHA}"),
+        lora.add_argument("--lora-experts", action="store_true", default=None, help="LoRA on the routed experts too"),
+        lora.add_argument(
+            "--merge", action="store_true", default=None, help="also write OUTPUT/merged/, original layout"
+        ),
+    ]
     parser.add_argument("--train-projector", action="store_true", help="also train the image projector fully")
     parser.add_argument(
         "--skip-bad-examples",
@@ -198,8 +206,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--dataloader-workers", type=int, default=0, help="processes preparing batches (images)")
     args = parser.parse_args(argv)
-    if args.merge and args.full:
-        parser.error("--merge folds a LoRA adapter into the model; --full already saves the whole model")
+    given_lora_options = [option.option_strings[0] for option in lora_options if getattr(args, option.dest) is not None]
+    if args.full and given_lora_options:
+        parser.error(
+            f"{', '.join(given_lora_options)}: LoRA option(s), which --full (training the whole language model, "
+            "saved whole) does not use; leave them out or leave out --full"
+        )
+    args.lora_rank = DEFAULT_LORA_RANK if args.lora_rank is None else args.lora_rank
+    args.lora_alpha = DEFAULT_LORA_ALPHA if args.lora_alpha is None else args.lora_alpha
+    args.lora_experts, args.merge = bool(args.lora_experts), bool(args.merge)
     for name in (
         "max_steps",
         "batch_size",

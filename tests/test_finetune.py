@@ -349,6 +349,23 @@ def test_bad_options_are_refused_before_anything_is_loaded(option, value, messag
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_lora_options_with_full_are_an_error_naming_them(tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out"), "--full", "--lora-rank", "8", "--lora-experts", "--merge"]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        finetune.parse_args(argv)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--lora-rank, --lora-experts, --merge: LoRA option(s)" in error
+    assert "--lora-alpha" not in error.splitlines()[-1]  # only the options given are named
+
+
+def test_lora_options_take_their_defaults_when_not_given(tmp_path):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out")]  # fmt: skip
+    args = finetune.parse_args(argv)
+    assert (args.lora_rank, args.lora_alpha, args.lora_experts, args.merge) == (16, 32, False, False)
+
+
 def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_path, capsys):
     output = tmp_path / "out"
     argv = ["--model", str(tiny_kimi_vl_dir), "--data", str(bad_jsonl), "--output", str(output),
