@@ -514,6 +514,55 @@ def test_files_that_are_not_regular_files_inside_the_source_are_refused_unread(s
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def _index_over(folder: Path, shards: list[object]) -> None:
+    """An index that places the checkpoint's tensors, in turn, in each of `shards` (any JSON values)."""
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        names = list(handle.keys())
+    weight_map = {name: shards[position % len(shards)] for position, name in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_every_shard_the_index_names_is_checked_whatever_its_suffix(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not for the hub")
+    (folder / "weights.bin").symlink_to(secret)
+    os.mkfifo(folder / "more.st")  # reading it would wait forever
+    _index_over(folder, ["weights.bin", "more.st"])
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert caught.value.problems == [
+        "more.st is not a regular file",
+        f"weights.bin links to {secret}, outside the source folder; copy the file in instead",
+    ]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_an_index_naming_a_shard_outside_the_folder_is_refused_unread(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(folder / "model.safetensors", outside)  # a valid shard: only its place is wrong
+    _index_over(folder, ["../outside.safetensors", str(outside), "sub/model.safetensors", "..", 7])
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    refused = [repr(name) for name in ("../outside.safetensors", str(outside), "sub/model.safetensors", "..")]
+    refused.append("7")
+    assert caught.value.problems == [
+        f"model.safetensors.index.json names {name} as a shard, which is not a file name in the source folder "
+        "(shards sit beside the index)"
+        for name in sorted(refused)
+    ]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_an_index_whose_shards_end_otherwise_exports_them(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    _index_over(folder, ["weights.bin"])
+    (folder / "model.safetensors").rename(folder / "weights.bin")
+    export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert tensor_bytes(tmp_path / "out") == tensor_bytes(source)
+
+
 def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_exports_as_the_folder_does(exported, source, tmp_path):
     """huggingface_hub's cache keeps a revision's files in snapshots/REVISION/ as links to the repository's blobs/."""
     repository = tmp_path / "models--moonshotai--Kimi-VL-A3B-Instruct"
