@@ -353,23 +353,42 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
         wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
     finally:
         stop_if_running(verifier)
-    [abandoned] = leftovers(tmp_path)  # nothing could remove its temp folder (a full copy of the weights) ...
-    assert abandoned.startswith(".out.partial-")
+    # Nothing could remove its temp folder (a full copy of the weights) and the folder's lock file ...
+    abandoned, abandoned_lock = leftovers(tmp_path)
+    assert abandoned.startswith(".out.partial-") and abandoned_lock == abandoned + ".lock"
     export_checkpoint(source, tmp_path / "out", verify=False)
     assert leftovers(tmp_path) == []  # ... until the next export into the same target
 
 
 def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
     running = tmp_path / ".out.partial-abcd1234"
+    lock = export_module._staging_lock(running)
+    lock.acquire()  # as the export holding it does, from before the folder exists until it ends
     running.mkdir()
-    lock = export_module._lock_folder(running)  # as the export holding it does, until it ends
     try:
         export_checkpoint(source, tmp_path / "out", verify=False)
-        assert leftovers(tmp_path) == [running.name]
+        assert leftovers(tmp_path) == [running.name, running.name + ".lock"]
     finally:
-        os.close(lock)
+        lock.release()
     export_checkpoint(source, tmp_path / "out", verify=False, overwrite=True)
     assert leftovers(tmp_path) == []
+
+
+def test_a_temp_folder_is_locked_from_the_moment_it_exists(source, tmp_path, monkeypatch):
+    """Another export's clean-up that runs right after this export created its temp folder leaves the folder alone."""
+    out = tmp_path / "out"
+    make_folder = os.mkdir
+    cleaned_up_after = []
+
+    def make_folder_then_clean_up(path, *args, **kwargs):
+        make_folder(path, *args, **kwargs)
+        if Path(path).name.startswith(".out.partial-"):
+            export_module._remove_abandoned_staging(out)  # as a concurrent export into `out` starts
+            cleaned_up_after.append(Path(path).name)
+
+    monkeypatch.setattr(os, "mkdir", make_folder_then_clean_up)
+    export_checkpoint(source, out, verify=False)
+    assert cleaned_up_after and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
 def test_reexport_is_idempotent(exported, tmp_path):
