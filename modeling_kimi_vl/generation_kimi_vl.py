@@ -164,17 +164,15 @@ class KimiVLStaticGenerationMixin:
         # As plain `generate` does (GenerationMixin.prepare_inputs_for_generation): what the forward reads goes to the
         # model's device right before it runs, while the tokens, scores and stopping decisions stay on the device the
         # prompt was given on, and the sequences come back there (a prompt on the CPU works for a model on a GPU).
-        device = self.device
-        pixel_values, image_grid_hws = (
-            None if tensor is None else tensor.to(device) for tensor in (pixel_values, image_grid_hws)
-        )
+        image_inputs = {"pixel_values": pixel_values, "image_grid_hws": image_grid_hws}
+        image_inputs = {name: None if value is None else value.to(self.device) for name, value in image_inputs.items()}
         state = self._static_generation_state()
         with state.lock:  # static requests on one model share the workspaces' buffers: one at a time
             workspace = state.workspace(self, batch_size, num_slots, use_graphs)
-            inputs_embeds = self.embed_inputs(
-                input_ids.to(device), pixel_values=pixel_values, image_grid_hws=image_grid_hws
+            inputs_embeds = self.embed_inputs(input_ids.to(self.device), **image_inputs)
+            first_logits = workspace.prefill(
+                inputs_embeds, attention_mask.to(self.device), position_ids.to(self.device)
             )
-            first_logits = workspace.prefill(inputs_embeds, attention_mask.to(device), position_ids.to(device))
             output = self._static_token_loop(
                 workspace, input_ids, first_logits, logits_processor, stopping_criteria, generation_config, streamer
             )
