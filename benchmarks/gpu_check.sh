@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of the fast generation paths, on one CUDA device (sized for an H200):
 #   1. the CUDA-only tests: graph capture and replay (every read bucket), graph-on == graph-off == plain generate,
-#      capture refusal, the quantized static path under graphs, the compiled fused weight-only kernel;
+#      capture refusal, the quantized static path under graphs, the compiled fused weight-only kernel, a prompt given
+#      on the CPU to a model on the GPU;
 #   2. benchmarks.bench_long_context --gpu: full Kimi-VL-A3B config with random bf16 weights, decode ms/step at
 #      contexts 1K, 8K and 32K, batch 1 and 8: expanded vs absorbed MLA attention on plain generate(), and the static
 #      path (CUDA graphs) with automatic and fixed capacity; batch-1 decode as a share of the bandwidth limit counting

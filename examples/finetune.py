@@ -20,7 +20,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments, set_seed
 
-from image_processing import KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
+from hub_upload.weights import parse_size
+from image_processing import ImageUrlCache, KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 
 # The default adapter: LoRA on every linear layer of the language model's blocks (the MLA projections, the dense MLPs
@@ -36,7 +37,11 @@ ROUTED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROJECTOR = "multi_modal_projector"
 VISION_TOWER = "vision_tower"
 MERGED_FOLDER = "merged"
+IMAGE_CACHE_FOLDER = "image_cache"  # in --output: the bytes of the data's image URLs, fetched once per run
+DEFAULT_IMAGE_CACHE_SIZE = "10GB"
 DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 1e-5}
+DEFAULT_LORA_RANK = 16
+DEFAULT_LORA_ALPHA = 32
 # TrainingArguments' gradient_checkpointing* are activation_checkpointing* in transformers 5.24 (the old names warn);
 # older 5.x releases have only the old names.
 CHECKPOINTING_ARGUMENT = next(
@@ -83,11 +88,13 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, sum(parameter.numel() for parameter in model.parameters())
 
 
-def read_data(path: Path, processor: KimiVLProcessor, max_length: int, skip_bad: bool) -> list[dict]:
+def read_data(
+    path: Path, processor: KimiVLProcessor, max_length: int, skip_bad: bool, image_cache: ImageUrlCache
+) -> list[dict]:
     """The examples of a JSONL file; SystemExit listing the bad ones unless --skip-bad-examples."""
     if not path.is_file():
         raise SystemExit(f"error: {path} is not a file (expected JSONL, one conversation per line).")
-    examples, bad = load_chat_jsonl(path, processor, max_length)
+    examples, bad = load_chat_jsonl(path, processor, max_length, image_cache)
     if bad and not skip_bad:
         listing = "\n".join(f"  {path}:{problem}" for problem in bad)
         raise SystemExit(
@@ -160,7 +167,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     method = parser.add_mutually_exclusive_group()
     method.add_argument("--lora", action="store_true", help="train a LoRA adapter (default)")
     method.add_argument("--full", action="store_true", help="train all language model weights (vision tower frozen)")
-    parser.add_argument("--merge", action="store_true", help="LoRA: also write OUTPUT/merged/, original layout")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, help="optimizer steps to run (overrides --epochs)")
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
@@ -183,9 +189,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bfloat16 mixed precision; with LoRA the frozen base weights are also stored in bfloat16",
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--lora-alpha", type=int, default=32)
-    parser.add_argument("--lora-experts", action="store_true", help="LoRA on the routed experts too")
+    # The LoRA options default to None so that one given with --full can be told from its default and refused.
+    lora = parser.add_argument_group("LoRA options (not with --full)")
+    lora_options = [
+        lora.add_argument("--lora-rank", type=int, help=f"default {DEFAULT_LORA_RANK}"),
+        lora.add_argument("--lora-alpha", type=int, help=f"default {DEFAULT_LORA_ALPHA}"),
+        lora.add_argument("--lora-experts", action="store_true", default=None, help="LoRA on the routed experts too"),
+        lora.add_argument(
+            "--merge", action="store_true", default=None, help="also write OUTPUT/merged/, original layout"
+        ),
+    ]
     parser.add_argument("--train-projector", action="store_true", help="also train the image projector fully")
     parser.add_argument(
         "--skip-bad-examples",
@@ -197,9 +210,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=500, help="checkpoint (and evaluation) interval")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--dataloader-workers", type=int, default=0, help="processes preparing batches (images)")
+    parser.add_argument(
+        "--image-cache-size",
+        default=DEFAULT_IMAGE_CACHE_SIZE,
+        help=f"most disk space for the fetched bytes of image URLs, kept in OUTPUT/{IMAGE_CACHE_FOLDER}/ so that each "
+        f"is fetched once per run; the least recently used go past it (default {DEFAULT_IMAGE_CACHE_SIZE})",
+    )
     args = parser.parse_args(argv)
-    if args.merge and args.full:
-        parser.error("--merge folds a LoRA adapter into the model; --full already saves the whole model")
+    given_lora_options = [option.option_strings[0] for option in lora_options if getattr(args, option.dest) is not None]
+    if args.full and given_lora_options:
+        parser.error(
+            f"{', '.join(given_lora_options)}: LoRA option(s), which --full (training the whole language model, "
+            "saved whole) does not use; leave them out or leave out --full"
+        )
+    args.lora_rank = DEFAULT_LORA_RANK if args.lora_rank is None else args.lora_rank
+    args.lora_alpha = DEFAULT_LORA_ALPHA if args.lora_alpha is None else args.lora_alpha
+    args.lora_experts, args.merge = bool(args.lora_experts), bool(args.merge)
     for name in (
         "max_steps",
         "batch_size",
@@ -219,6 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--learning-rate must be a positive number, got {args.learning_rate}")
     if args.dataloader_workers < 0:
         parser.error(f"--dataloader-workers must be at least 0, got {args.dataloader_workers}")
+    try:
+        args.image_cache_bytes = parse_size(args.image_cache_size)
+    except ValueError as error:
+        parser.error(f"--image-cache-size: {error}")
     if args.resume and not any(args.output.glob("checkpoint-*")):
         parser.error(f"--resume: {args.output} has no checkpoint-* folder to resume from")
     return args
@@ -235,17 +265,26 @@ def main(argv: list[str] | None = None) -> Trainer:
     dtype = torch.bfloat16 if args.bf16 and not args.full else torch.float32
     model = KimiVLForConditionalGeneration.from_pretrained(model_path, dtype=dtype)
     max_length = args.max_length or model.config.text_config.max_position_embeddings
+    training_args = training_arguments(args, has_eval=args.eval_data is not None)
 
-    train_examples = read_data(args.data, processor, max_length, args.skip_bad_examples)
-    eval_examples = read_data(args.eval_data, processor, max_length, args.skip_bad_examples) if args.eval_data else None
+    # The check of the data fetches its image URLs into the cache, on the main process first: the other processes
+    # (data parallel) and then the collator, in every epoch, read them from there.
+    image_cache = ImageUrlCache(args.output / IMAGE_CACHE_FOLDER, args.image_cache_bytes)
+    with training_args.main_process_first(desc="checking the data"):
+        train_examples = read_data(args.data, processor, max_length, args.skip_bad_examples, image_cache)
+        eval_examples = (
+            read_data(args.eval_data, processor, max_length, args.skip_bad_examples, image_cache)
+            if args.eval_data
+            else None
+        )
 
     model = prepare_model(model, args)
     trainable, total = count_parameters(model)
     print(f"training {trainable:,} of {total:,} parameters ({100 * trainable / total:.3f}%)", file=sys.stderr)
     trainer = Trainer(
         model=model,
-        args=training_arguments(args, has_eval=eval_examples is not None),
-        data_collator=KimiVLDataCollator(processor, max_length),
+        args=training_args,
+        data_collator=KimiVLDataCollator(processor, max_length, image_cache),
         train_dataset=train_examples,
         eval_dataset=eval_examples,
         processing_class=processor,

@@ -11,27 +11,31 @@
 
 Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the
 new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
-outright leaves its temp folder `.NAME.partial-XXXXXXXX` (`tempfile.mkdtemp`'s 8 random characters), and one killed or
-interrupted inside `publish` can leave the old target in its aside folder (whole if the new folder was not in place
-yet, partly deleted if it was). The next export to the same target cleans up both first, touching no folder of any
-other name. A temp folder is deleted unless a running export holds the lock (`flock`) that each export takes on its
-own temp folder until it ends (the system releases the lock of a killed process). Aside folders are settled: if the
-target exists, the aside folder was already replaced and is deleted; if the target is missing, the old folder goes
-back into place when it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named
-in a warning (until a later export, with the target then in place, deletes it as above).
+outright leaves its temp folder `.NAME.partial-XXXXXXXX` (8 random hex digits) with its lock file
+`.NAME.partial-XXXXXXXX.lock` beside it, and one killed or interrupted inside `publish` can leave the old target in its
+aside folder (whole if the new folder was not in place yet, partly deleted if it was). The next export to the same
+target cleans up both first, touching no folder of any other name. A temp folder is deleted unless a running export
+holds its lock (a `filelock.FileLock` on the lock file, which the system releases when the process ends, however it
+ends). Each export takes that lock before it creates its temp folder, so another export's clean-up never finds a
+running export's folder unlocked. (A process killed in the instant between taking the lock and creating the folder,
+or between removing the folder and its lock file, leaves the empty lock file alone: no export can tell it from the lock
+file of an export that is just starting, so none deletes it.) Aside folders are settled: if the target exists, the
+aside folder was already replaced and is deleted; if the target is missing, the old folder goes back into place when
+it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named in a warning (until
+a later export, with the target then in place, deletes it as above).
 """
 
-import fcntl
 import glob
 import json
 import os
 import re
 import secrets
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from .model_card import ModelCardInfo, render_model_card
 from .remote_code import (
@@ -58,6 +62,8 @@ from .weights import INDEX_NAME, parse_size, plan_shards, read_header, write_sha
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 ASIDE_SUFFIX_BYTES = 4  # random hex suffix of the folder an overwritten target is moved into: 8 digits
+STAGING_SUFFIX_BYTES = 4  # random hex suffix of an export's temp folder: 8 digits
+LOCK_SUFFIX = ".lock"  # a temp folder's lock file is its name with this added, beside it
 MODEL_CARD_NAME = "README.md"
 MAX_LISTED_ADDED = 10  # entries named in the refusal of an --overwrite that would delete files someone added
 REQUIRED_EXPORT_FILES = (
@@ -106,9 +112,7 @@ def export_checkpoint(
         raise ExportInputError(source, problems)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out), dir=out.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
-    staging_lock = _lock_folder(staging)  # this export's own, until it ends: not abandoned (_remove_abandoned_staging)
+    staging, staging_lock = _create_staging(out)  # locked until the export ends: not abandoned
     try:
         num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
         for path in staging.iterdir():
@@ -124,7 +128,7 @@ def export_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
-        os.close(staging_lock)
+        _release_and_remove(staging_lock)
     return ExportResult(folder=out, files=files, num_shards=num_shards, verified=verify)
 
 
@@ -218,33 +222,50 @@ def _staging_prefix(out: Path) -> str:
     return f".{out.name}.partial-"
 
 
-def _lock_folder(folder: Path) -> int:
-    """A file descriptor of `folder` holding an exclusive lock on it; the lock goes when the descriptor is closed or
-    the process ends, however it ends."""
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def _staging_lock(staging: Path) -> FileLock:
+    """The lock of the temp folder `staging`: its lock file beside it, taken without waiting (`Timeout` if held)."""
+    return FileLock(staging.with_name(staging.name + LOCK_SUFFIX), timeout=0)
+
+
+def _create_staging(out: Path) -> tuple[Path, FileLock]:
+    """A new temp folder beside `out` and its lock, held. The lock is taken before the folder exists, so that another
+    export's `_remove_abandoned_staging`, which deletes the temp folders whose lock nobody holds, never sees it free."""
+    staging = out.parent / f"{_staging_prefix(out)}{secrets.token_hex(STAGING_SUFFIX_BYTES)}"
+    lock = _staging_lock(staging)
+    lock.acquire()  # a name in use already (by a 1 in 4 billion chance) fails here or in mkdir, before anything else
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        staging.mkdir()
+        staging.chmod(0o755)  # an ordinary folder, readable by everyone as a download is, whatever the umask
     except BaseException:
-        os.close(descriptor)
+        _release_and_remove(lock)
         raise
-    return descriptor
+    return staging, lock
+
+
+def _release_and_remove(lock: FileLock) -> None:
+    """Release a temp folder's lock and delete its file (filelock keeps the file on Unix, for other waiters; nobody
+    waits for a temp folder's lock), once the folder is gone."""
+    lock.release()
+    Path(lock.lock_file).unlink(missing_ok=True)
 
 
 def _remove_abandoned_staging(out: Path) -> None:
-    """Delete the temp folders of exports into `out` that were killed outright (see the module docstring): those of
-    exactly the form the export names them whose lock no running export holds."""
-    staging_name = re.compile(re.escape(_staging_prefix(out)) + "[a-z0-9_]{8}")  # tempfile.mkdtemp's random names
+    """Delete the temp folders of exports into `out` that were killed outright (see the module docstring), with their
+    lock files: those of exactly the form the export names them whose lock no running export holds."""
+    staging_name = re.compile(re.escape(_staging_prefix(out)) + f"[0-9a-f]{{{2 * STAGING_SUFFIX_BYTES}}}")
     for staging in sorted(out.parent.glob(glob.escape(_staging_prefix(out)) + "*")):
         if not staging_name.fullmatch(staging.name) or not staging.is_dir() or staging.is_symlink():
             continue
+        lock = _staging_lock(staging)
         try:
-            lock = _lock_folder(staging)
-        except BlockingIOError:  # a running export's
+            lock.acquire()
+        except Timeout:  # a running export's
             continue
         try:
-            shutil.rmtree(staging)
+            if staging.is_dir():  # not removed by the export that just ended, or by another's clean-up
+                shutil.rmtree(staging)
         finally:
-            os.close(lock)
+            _release_and_remove(lock)
 
 
 def _aside_prefix(out: Path) -> str:

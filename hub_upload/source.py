@@ -167,8 +167,8 @@ def _read_indexed_shards(folder: Path, weight_map: dict, problems: list[str]) ->
         names_by_file.setdefault(file_name, set()).add(name)
     tensors = []
     for file_name, names in sorted(names_by_file.items()):
-        path = folder / file_name
-        if Path(file_name).name != file_name or not path.is_file():
+        path = folder / file_name  # a plain file name: _unsafe_files refused any other before reading
+        if not path.is_file():
             problems.append(
                 f"{INDEX_NAME} names {file_name!r} ({len(names)} tensors), which is not a file in the folder"
             )
@@ -252,7 +252,9 @@ def _read_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
 
 
 def _unsafe_files(folder: Path) -> list[str]:
-    """The files the export would read that are not regular files inside `folder`, each named with the reason.
+    """The files the export would read that are not regular files inside `folder`, each named with the reason: the
+    known names, every `*.safetensors`, and every file the index names, whatever its name ends with. An index that
+    names a shard by anything but a plain file name ("../x", "/x", "sub/x") is refused too: shards sit beside it.
 
     A symbolic link may point elsewhere only in a huggingface_hub cache snapshot (`.../snapshots/REVISION/`), whose
     files link to the same repository's `blobs/` folder.
@@ -260,16 +262,50 @@ def _unsafe_files(folder: Path) -> list[str]:
     allowed = [folder.resolve()]
     if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
         allowed.append((folder.parent.parent / "blobs").resolve())
+    read_names = {
+        path.name for path in folder.iterdir() if path.name in READ_FILE_NAMES or path.suffix == ".safetensors"
+    }
+    problems = _link_problems(folder, read_names, allowed)
+    index = folder / INDEX_NAME
+    if not index.is_file() or _link_problems(folder, {INDEX_NAME}, allowed):  # an unsafe index is not opened
+        return problems
+    shard_names = _index_shard_names(index)
+    problems += [
+        f"{INDEX_NAME} names {name} as a shard, which is not a file name in the source folder (shards sit beside "
+        "the index)"
+        for name in sorted({repr(name) for name in shard_names if not _is_plain_file_name(name)})
+    ]
+    plain = {name for name in shard_names if _is_plain_file_name(name)}
+    return problems + _link_problems(folder, plain - read_names, allowed)
+
+
+def _link_problems(folder: Path, names: set[str], allowed: list[Path]) -> list[str]:
+    """The reasons the named entries of `folder` that exist (dangling links included) must not be read."""
     problems = []
-    for path in sorted(folder.iterdir()):
-        if path.name not in READ_FILE_NAMES and path.suffix != ".safetensors":
+    for name in sorted(names):
+        path = folder / name
+        if not (path.exists() or path.is_symlink()):  # a missing shard is reported when the weights are read
             continue
         target = path.resolve()
         if not any(target.is_relative_to(root) for root in allowed):
-            problems.append(f"{path.name} links to {target}, outside the source folder; copy the file in instead")
+            problems.append(f"{name} links to {target}, outside the source folder; copy the file in instead")
         elif not target.is_file():
-            problems.append(f"{path.name} is not a regular file")
+            problems.append(f"{name} is not a regular file")
     return problems
+
+
+def _index_shard_names(index: Path) -> list:
+    """The values of the index's weight map (shard names, if it is sound), or none if it cannot be read as one:
+    reading the weights then reports why."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, AttributeError):
+        return []
+    return list(weight_map.values()) if isinstance(weight_map, dict) else []
+
+
+def _is_plain_file_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 
 def _read_carried_files(folder: Path, problems: list[str]) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ import importlib
 from transformers import AutoProcessor, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .data_collator_kimi_vl import BadExample, KimiVLDataCollator, encode_chat, load_chat_jsonl
+from .data_collator_kimi_vl import BadExample, ImageUrlCache, KimiVLDataCollator, encode_chat, load_chat_jsonl
 from .image_processing_kimi_vl import KimiVLImageProcessor
 from .processing_kimi_vl import KimiVLProcessor, ThinkingSplit, split_thinking
 from .tiny_tokenizer import write_tiny_tokenizer
@@ -44,6 +44,7 @@ register_auto_classes()
 
 __all__ = [
     "BadExample",
+    "ImageUrlCache",
     "KimiVLDataCollator",
     "KimiVLImageProcessor",
     "KimiVLProcessor",

@@ -7,20 +7,63 @@ tokenizer never merges with neighbouring text, so tokenizing them one by one giv
 conversation, and every id is known to be inside or outside an answer without searching decoded text.
 """
 
+from __future__ import annotations
+
+import functools
 import json
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from jinja2 import TemplateError
+from PIL import Image
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_utils import load_image
 
 from .processing_kimi_vl import KimiVLProcessor
 
+if TYPE_CHECKING:
+    from diskcache import Cache
+
 IGNORE_INDEX = -100  # the label the loss skips (transformers' convention)
 URL_PREFIXES = ("http://", "https://")
+FETCH_TIMEOUT_S = 60  # per image URL: a host that does not answer is a failed fetch, not a hung run
+
+
+class ImageUrlCache:
+    """An on-disk cache of fetched image bytes, keyed by URL, for `load_chat_jsonl` and `KimiVLDataCollator`: each URL
+    is fetched once, then read from `folder` in every epoch, data-loader worker and process of a run (diskcache is
+    process-safe). It holds at most about `max_bytes`: past that, the least recently used images are dropped (and
+    fetched again when next needed). Decoded images are never kept. The folder is made at the first URL."""
+
+    def __init__(self, folder: str | Path, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"the image cache needs a size of at least 1 byte, got {max_bytes}.")
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+
+    def read(self, url: str) -> bytes:
+        content = self._cache.get(url)
+        if content is None:
+            content = fetch_url(url)  # a failed fetch raises, so it is never cached
+            self._cache.set(url, content)
+        return content
+
+    @functools.cached_property
+    def _cache(self) -> Cache:
+        from diskcache import Cache  # the `train` extra (pip install -e ".[train]"); the rest of the package needs none
+
+        return Cache(str(self.folder), size_limit=self.max_bytes, eviction_policy="least-recently-used")
+
+
+def fetch_url(url: str) -> bytes:
+    """The body of a GET of `url`; an error for no answer within FETCH_TIMEOUT_S or an HTTP error status."""
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+        return response.read()
 
 
 @dataclass
@@ -80,10 +123,13 @@ def chat_pieces(processor: KimiVLProcessor, messages: Sequence[dict]) -> list[tu
     return pieces
 
 
-def encode_chat(processor: KimiVLProcessor, messages: Sequence[dict]) -> EncodedChat:
-    """Tokenize one conversation with its images (placeholders expanded by the processor) and label its answers."""
+def encode_chat(
+    processor: KimiVLProcessor, messages: Sequence[dict], image_cache: ImageUrlCache | None = None
+) -> EncodedChat:
+    """Tokenize one conversation with its images (placeholders expanded by the processor) and label its answers.
+    Image URLs are fetched, or read from `image_cache` (an `ImageUrlCache`) when it has them."""
     pieces = chat_pieces(processor, messages)
-    images = [_fetch(image) if _is_url(image) else image for image in chat_images(messages)]
+    images = [_fetch(image, image_cache) if _is_url(image) else image for image in chat_images(messages)]
     encoded = processor(text=[text for text, _ in pieces], images=images or None, padding=False)
     input_ids, labels = [], []
     for ids, (_, is_answer) in zip(encoded["input_ids"], pieces):
@@ -99,20 +145,29 @@ class KimiVLDataCollator:
     The batch has `input_ids`, `attention_mask`, `labels` (token ids on every assistant answer including its
     `<|im_end|>`, IGNORE_INDEX on system and user turns, image placeholders and padding) and, when any example has
     images, `pixel_values` and `image_grid_hws` of all images in batch order. Image items hold a file path, an http(s)
-    URL or a PIL image. A conversation longer than `max_length` tokens is an error, never truncated: a cut answer
-    would teach the model to stop mid-sentence (check the data first, see `load_chat_jsonl`).
+    URL or a PIL image; URLs are fetched once per run when an `image_cache` (`ImageUrlCache`) is given, else at
+    every use. A conversation longer than `max_length` tokens is an error, never truncated: a cut answer would teach
+    the model to stop mid-sentence (check the data first, see `load_chat_jsonl`).
     """
 
-    def __init__(self, processor: KimiVLProcessor, max_length: int | None = None):
+    def __init__(
+        self, processor: KimiVLProcessor, max_length: int | None = None, image_cache: ImageUrlCache | None = None
+    ):
         if processor.tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; Kimi-VL's tokenizer defines [PAD].")
         self.processor = processor
         self.max_length = max_length
+        self.image_cache = image_cache
 
     def __call__(self, examples: Sequence[dict]) -> BatchFeature:
         if not examples:
             raise ValueError("The batch has no examples; the collator needs at least one.")
-        encoded = [encode_chat(self.processor, messages_of(example)) for example in examples]
+        encoded = []
+        for index, example in enumerate(examples):
+            try:
+                encoded.append(encode_chat(self.processor, messages_of(example), self.image_cache))
+            except ValueError as error:
+                raise ValueError(f"example {index} of the batch: {error}") from error
         for index, chat in enumerate(encoded):
             check_length(len(chat.input_ids), self.max_length, f"example {index} of the batch")
         width = max(len(chat.input_ids) for chat in encoded)
@@ -157,13 +212,17 @@ class BadExample:
 
 
 def load_chat_jsonl(
-    path: str | Path, processor: KimiVLProcessor, max_length: int | None = None
+    path: str | Path,
+    processor: KimiVLProcessor,
+    max_length: int | None = None,
+    image_cache: ImageUrlCache | None = None,
 ) -> tuple[list[dict], list[BadExample]]:
     """Read a JSONL file of `{"messages": [...]}` conversations and check every one before any training.
 
     Image paths are read relative to the file's folder (and stored absolute in the returned examples). Each example
     is encoded once, as the collator will encode it, so everything that would fail later is found now: malformed JSON,
-    a missing or unreadable image, no assistant turn, a conversation longer than `max_length`. Returns the good
+    a missing or unreadable image, no assistant turn, a conversation longer than `max_length`. Image URLs are fetched
+    into `image_cache` when one is given (the collator given the same cache then reads them from it). Returns the good
     examples and the bad ones with their line numbers; blank lines are skipped.
     """
     path = Path(path)
@@ -176,7 +235,7 @@ def load_chat_jsonl(
                 if not line.strip():
                     continue
                 example = _parse_example(line, path.parent)
-                encoded = encode_chat(processor, example["messages"])
+                encoded = encode_chat(processor, example["messages"], image_cache)
                 check_length(len(encoded.input_ids), max_length, "the conversation")
             except (ValueError, TypeError, TemplateError) as error:
                 bad.append(BadExample(line_number, str(error)))
@@ -221,9 +280,11 @@ def _with_resolved_images(message: dict, folder: Path) -> dict:
     return {**message, "content": items}
 
 
-def _fetch(url: str):
+def _fetch(url: str, image_cache: ImageUrlCache | None):
+    """The image at `url`, decoded as transformers' `load_image` decodes it (upright by its EXIF orientation, RGB)."""
     try:
-        return load_image(url)
+        content = image_cache.read(url) if image_cache is not None else fetch_url(url)
+        return load_image(Image.open(BytesIO(content)))
     except Exception as error:  # noqa: BLE001 - network, HTTP and decoding failures all mean "no image from here"
         raise ValueError(f"image {url!r} could not be fetched and read: {error}") from error
 
@@ -236,6 +297,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BadExample",
     "EncodedChat",
+    "ImageUrlCache",
     "KimiVLDataCollator",
     "chat_images",
     "chat_pieces",

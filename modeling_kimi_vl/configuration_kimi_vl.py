@@ -69,6 +69,13 @@ class MoonViTConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
 
+def tokens_per_image(grid_hws, config: MoonViTConfig) -> list[int]:
+    """Language-model tokens of each image: its merged patches, rows*cols/4. (Here, beside the config it reads, so
+    that the model and the data-parallel encoder in parallel_kimi_vl.py, which the model imports, can both use it.)"""
+    kernel_rows, kernel_cols = config.merge_kernel_size
+    return [rows * cols // (kernel_rows * kernel_cols) for rows, cols in grid_hws]
+
+
 class KimiVLConfig(PreTrainedConfig):
     r"""
     Kimi-VL: `vision_config` is a [`MoonViTConfig`], `text_config` transformers' own [`DeepseekV3Config`].
@@ -131,4 +138,11 @@ def kimi_vl_a3b_config(**kwargs) -> KimiVLConfig:
     )
 
 
-__all__ = ["MoonViTConfig", "KimiVLConfig", "VISION_ENCODER_TP_MODES", "check_mm_encoder_tp_mode", "kimi_vl_a3b_config"]
+__all__ = [
+    "MoonViTConfig",
+    "KimiVLConfig",
+    "VISION_ENCODER_TP_MODES",
+    "check_mm_encoder_tp_mode",
+    "kimi_vl_a3b_config",
+    "tokens_per_image",
+]

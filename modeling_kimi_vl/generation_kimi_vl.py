@@ -161,11 +161,18 @@ class KimiVLStaticGenerationMixin:
             attention_mask = torch.ones_like(input_ids)
         position_ids = position_ids.expand(batch_size, -1)
         num_slots = self._static_cache_slots(prompt_length, generation_config)
+        # As plain `generate` does (GenerationMixin.prepare_inputs_for_generation): what the forward reads goes to the
+        # model's device right before it runs, while the tokens, scores and stopping decisions stay on the device the
+        # prompt was given on, and the sequences come back there (a prompt on the CPU works for a model on a GPU).
+        image_inputs = {"pixel_values": pixel_values, "image_grid_hws": image_grid_hws}
+        image_inputs = {name: None if value is None else value.to(self.device) for name, value in image_inputs.items()}
         state = self._static_generation_state()
         with state.lock:  # static requests on one model share the workspaces' buffers: one at a time
             workspace = state.workspace(self, batch_size, num_slots, use_graphs)
-            inputs_embeds = self.embed_inputs(input_ids, pixel_values=pixel_values, image_grid_hws=image_grid_hws)
-            first_logits = workspace.prefill(inputs_embeds, attention_mask, position_ids)
+            inputs_embeds = self.embed_inputs(input_ids.to(self.device), **image_inputs)
+            first_logits = workspace.prefill(
+                inputs_embeds, attention_mask.to(self.device), position_ids.to(self.device)
+            )
             output = self._static_token_loop(
                 workspace, input_ids, first_logits, logits_processor, stopping_criteria, generation_config, streamer
             )
@@ -207,7 +214,7 @@ class KimiVLStaticGenerationMixin:
             # decide on device values, and the loop must know on the host whether to run another step.
             if unfinished_sequences.max() == 0:
                 break
-            next_token_logits = workspace.decode(next_tokens)
+            next_token_logits = workspace.decode(next_tokens.to(workspace.decode_input_ids.device))
 
         if streamer is not None:
             streamer.end()

@@ -31,9 +31,14 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, check_mm_encoder_tp_mode, tokens_per_image
 from .generation_kimi_vl import KimiVLStaticGenerationMixin
-from .parallel_kimi_vl import check_kimi_vl_tp_size, encode_images_data_parallel, local_part
+from .parallel_kimi_vl import (
+    check_kimi_vl_tp_size,
+    check_vision_tp_mode_unchanged,
+    encode_images_data_parallel,
+    local_part,
+)
 from .transformers_compat_modeling import CACHE_ARGUMENT
 
 # The released MoonViT fixes these in code rather than in its config.
@@ -102,12 +107,6 @@ def read_image_grids(pixel_values: torch.Tensor, image_grid_hws: torch.Tensor, c
     grid_hws = [(int(rows), int(cols)) for rows, cols in image_grid_hws.tolist()]
     validate_grids(grid_hws, pixel_values.shape[0], config.merge_kernel_size)
     return grid_hws
-
-
-def tokens_per_image(grid_hws, config: MoonViTConfig) -> list[int]:
-    """Language-model tokens of each image: its merged patches, rows*cols/4."""
-    kernel_rows, kernel_cols = config.merge_kernel_size
-    return [rows * cols // (kernel_rows * kernel_cols) for rows, cols in grid_hws]
 
 
 def validate_grids(grid_hws, num_patches: int, merge_kernel_size) -> None:
@@ -598,7 +597,12 @@ class KimiVLForConditionalGeneration(KimiVLPreTrainedModel, KimiVLStaticGenerati
         # Read to the host once and checked on every rank before any rank encodes: in data mode, one rank failing
         # alone would leave the others waiting in the gather.
         grid_hws = read_image_grids(pixel_values, image_grid_hws, self.config.vision_config)
-        if self.config.mm_encoder_tp_mode == "data" and (self.tp_size or 1) > 1:
+        # The mode is read here, at every call: a value set on the config after loading is checked against the load.
+        mode = check_mm_encoder_tp_mode(self.config.mm_encoder_tp_mode)
+        tensor_parallel = (self.tp_size or 1) > 1
+        if tensor_parallel:
+            check_vision_tp_mode_unchanged(self.vision_tower, mode)
+        if mode == "data" and tensor_parallel:
             merged = encode_images_data_parallel(self.vision_tower, pixel_values, grid_hws, **kwargs)
             vision_outputs = BaseModelOutput(last_hidden_state=merged)  # the tower's output, without recordings
         else:

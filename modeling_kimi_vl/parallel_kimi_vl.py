@@ -25,7 +25,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Packe
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig
+from .configuration_kimi_vl import KimiVLConfig, MoonViTConfig, tokens_per_image
 
 
 def process_state() -> PartialState:
@@ -123,6 +123,22 @@ def check_kimi_vl_tp_size(config: KimiVLConfig | MoonViTConfig, tp_size: int) ->
             )
 
 
+def check_vision_tp_mode_unchanged(vision_tower: nn.Module, mode: str) -> None:
+    """Refuse a `mm_encoder_tp_mode` other than the one a tensor-parallel model was loaded with: the load sharded the
+    vision tower (weight mode) or left it whole (data mode), and changing the config afterwards changes neither. The
+    tower's parameters say which: transformers holds the sharded ones as DTensors. Every rank decides the same, before
+    any collective, so all raise together."""
+    sharded = any(isinstance(parameter, DTensor) for parameter in vision_tower.parameters())
+    loaded_mode = "weight" if sharded else "data"
+    if mode != loaded_mode:
+        raise ValueError(
+            f"config.mm_encoder_tp_mode is {mode!r}, but this tensor-parallel model was loaded with {loaded_mode!r}, "
+            f"so its vision tower is {'sharded across the ranks' if sharded else 'whole on every rank'}. The mode is "
+            f"applied when the weights are loaded: set it back to {loaded_mode!r}, or load again with "
+            f"from_pretrained(..., tp_plan='auto', mm_encoder_tp_mode={mode!r})."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Data-parallel vision encoder
 # ----------------------------------------------------------------------------------------------------------------------
@@ -189,7 +205,7 @@ def encode_images_data_parallel(
     state = process_state()
     kernel_rows, kernel_cols = vision_tower.config.merge_kernel_size
     patches_per_image = [rows * cols for rows, cols in grid_hws]
-    tokens_per_image = [patches // (kernel_rows * kernel_cols) for patches in patches_per_image]
+    image_tokens = tokens_per_image(grid_hws, vision_tower.config)
     hidden = vision_tower.config.hidden_size
     if not grid_hws:
         return pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
@@ -205,7 +221,7 @@ def encode_images_data_parallel(
         # Fewer images than ranks: take part in the gather with an empty tensor of the same rank and trailing shape.
         my_features = pixel_values.new_zeros((0, kernel_rows * kernel_cols, hidden), dtype=vision_tower.dtype)
 
-    tokens_per_rank = [sum(tokens_per_image[image] for image in images) for images in images_per_rank]
+    tokens_per_rank = [sum(image_tokens[image] for image in images) for images in images_per_rank]
     padded_tokens = max(tokens_per_rank)
     padding = my_features.new_zeros((padded_tokens - my_features.shape[0], *my_features.shape[1:]))
     gathered = gather(torch.cat([my_features, padding]))
@@ -213,7 +229,7 @@ def encode_images_data_parallel(
 
     features_per_image = [None] * len(grid_hws)
     for rank, images in enumerate(images_per_rank):
-        rank_features = gathered[rank, : tokens_per_rank[rank]].split([tokens_per_image[image] for image in images])
+        rank_features = gathered[rank, : tokens_per_rank[rank]].split([image_tokens[image] for image in images])
         for image, features in zip(images, rank_features):
             features_per_image[image] = features
     return torch.cat(features_per_image)
@@ -223,6 +239,7 @@ __all__ = [
     "PackedQKVColwiseParallel",
     "assign_images_to_ranks",
     "check_kimi_vl_tp_size",
+    "check_vision_tp_mode_unchanged",
     "check_vision_tp_size",
     "encode_images_data_parallel",
 ]

@@ -98,6 +98,22 @@ def run_scenarios(model, scenarios, prefix: str, results: dict, report: dict) ->
     hook.remove()
 
 
+def image_features_error_after_mode_switch(model, scenarios, mode: str) -> str | None:
+    """The error of encoding images after setting `mm_encoder_tp_mode` on the loaded model (None if none); the
+    loaded mode is put back."""
+    loaded_mode = model.config.mm_encoder_tp_mode
+    model.config.mm_encoder_tp_mode = mode
+    inputs = scenarios["two_images"]
+    try:
+        with torch.no_grad():
+            model.get_image_features(inputs["pixel_values"], inputs["image_grid_hws"])
+        return None
+    except ValueError as error:
+        return str(error)
+    finally:
+        model.config.mm_encoder_tp_mode = loaded_mode
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference", type=Path, required=True, help="the tiny reference checkpoint (3 vision heads)")
@@ -123,6 +139,7 @@ def main():
     wqkv = model.vision_tower.encoder.blocks[0].wqkv
     report["data.wqkv_is_plain_parameter"] = type(wqkv.weight) is torch.nn.Parameter  # replicated, not a DTensor
     run_scenarios(model, scenarios, "reference.data", results, report)
+    report["data.switched_to_weight.error"] = image_features_error_after_mode_switch(model, scenarios, "weight")
     model.save_pretrained(args.out / "saved_data")
     del model
 
@@ -140,6 +157,7 @@ def main():
     report["weight.wqkv_local_shape"] = list(wqkv.weight.to_local().shape)
     report["weight.wqkv_bias_local_shape"] = list(wqkv.bias.to_local().shape)
     run_scenarios(model, scenarios, "even.weight", results, report)
+    report["weight.switched_to_data.error"] = image_features_error_after_mode_switch(model, scenarios, "data")
     model.save_pretrained(args.out / "saved_weight")
 
     save_file({name: tensor.contiguous() for name, tensor in results.items()}, args.out / f"rank{rank}.safetensors")

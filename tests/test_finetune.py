@@ -1,8 +1,12 @@
 """Fine-tuning: the chat collator's labels, the LoRA run of examples/finetune.py on the tiny Kimi-VL, the saved
 adapter, the merged model in the original layout, bad examples, and the demo loading an adapter."""
 
+import http.server
 import json
+import re
 import shutil
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +17,7 @@ from safetensors import safe_open
 from transformers import Trainer
 
 from examples import finetune, finetune_memory
-from image_processing import KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
+from image_processing import ImageUrlCache, KimiVLDataCollator, KimiVLProcessor, load_chat_jsonl
 from image_processing.data_collator_kimi_vl import IGNORE_INDEX
 from modeling_kimi_vl import KimiVLForConditionalGeneration
 
@@ -137,6 +141,88 @@ def test_unreachable_image_url_is_a_bad_example(processor, tmp_path):
     examples, bad = load_chat_jsonl(path, processor)
     assert examples == [] and [problem.line for problem in bad] == [1]
     assert f"image {unreachable!r} could not be fetched" in bad[0].reason
+
+
+@pytest.fixture
+def image_server(data_dir):
+    """An HTTP server on this machine serving `data_dir`'s images (404 for any other path), counting the requests of
+    each path; yields (base URL, Counter of paths)."""
+    requests = Counter()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests[self.path] += 1
+            file = data_dir / self.path.lstrip("/")
+            if self.path.startswith("/images/") and file.is_file():
+                body = file.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+            else:
+                body = b"not here"
+                self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_image_urls_are_fetched_once_per_run_and_kept_as_bytes_on_disk(processor, data_dir, image_server, tmp_path):
+    base, requests = image_server
+    conversations = [
+        [user(image(f"{base}/images/tall.png"), image(f"{base}/images/wide.png"), text("?")), assistant("Two.")],
+        [user(image(f"{base}/images/tall.png"), text("?")), assistant("One.")],
+    ]
+    path = write_jsonl(tmp_path / "urls.jsonl", conversations)
+    cache = ImageUrlCache(tmp_path / "out" / "image_cache", max_bytes=10**8)
+    examples, bad = load_chat_jsonl(path, processor, image_cache=cache)  # the check before training fetches them
+    assert bad == [] and len(examples) == 2
+    collator = KimiVLDataCollator(processor, image_cache=cache)
+    batches = [collator(examples) for _ in range(3)]  # three epochs
+    assert requests == {"/images/tall.png": 1, "/images/wide.png": 1}
+    # The bytes are on disk, as served: another process of the run (a new cache object on the folder) reads them.
+    reopened = ImageUrlCache(tmp_path / "out" / "image_cache", max_bytes=10**8)
+    assert reopened.read(f"{base}/images/wide.png") == (data_dir / "images" / "wide.png").read_bytes()
+    assert requests == {"/images/tall.png": 1, "/images/wide.png": 1}
+    # Read from the cache, the images are what a fetch gives.
+    fetched = KimiVLDataCollator(processor)(examples)
+    assert requests == {"/images/tall.png": 3, "/images/wide.png": 2}
+    for batch in batches:
+        assert torch.equal(batch["pixel_values"], fetched["pixel_values"])
+        assert torch.equal(batch["input_ids"], fetched["input_ids"])
+
+
+def test_the_image_cache_is_bounded(image_server, tmp_path):
+    base, requests = image_server
+    cache = ImageUrlCache(tmp_path / "image_cache", max_bytes=1)  # less than any image: each one pushes out the last
+    for name in ("tall", "wide", "tall"):
+        cache.read(f"{base}/images/{name}.png")
+    assert requests == {"/images/tall.png": 2, "/images/wide.png": 1}
+
+
+def test_a_failed_fetch_is_an_error_naming_the_example_and_is_not_cached(processor, image_server, tmp_path):
+    base, requests = image_server
+    missing = f"{base}/images/missing.png"
+    path = write_jsonl(tmp_path / "urls.jsonl", [TEXT_ONLY, [user(image(missing), text("?")), assistant("x")]])
+    cache = ImageUrlCache(tmp_path / "image_cache", max_bytes=10**8)
+    examples, bad = load_chat_jsonl(path, processor, image_cache=cache)
+    assert len(examples) == 1 and [problem.line for problem in bad] == [2]
+    assert f"image {missing!r} could not be fetched" in bad[0].reason and "404" in bad[0].reason
+    batch = [{"messages": TEXT_ONLY}, {"messages": [user(image(missing), text("?")), assistant("x")]}]
+    with pytest.raises(ValueError, match=rf"example 1 of the batch: image {re.escape(repr(missing))} could not be"):
+        KimiVLDataCollator(processor, image_cache=cache)(batch)
+    assert requests == {"/images/missing.png": 2}  # the failure was not kept: asked again, fetched again
 
 
 @pytest.mark.parametrize("examples", [[], [{"conversation": TEXT_ONLY}], [{"messages": "Hello"}], ["Hello"]])
@@ -347,6 +433,23 @@ def test_bad_options_are_refused_before_anything_is_loaded(option, value, messag
     with pytest.raises(SystemExit) as stopped:
         finetune.parse_args(argv)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_lora_options_with_full_are_an_error_naming_them(tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out"), "--full", "--lora-rank", "8", "--lora-experts", "--merge"]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        finetune.parse_args(argv)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--lora-rank, --lora-experts, --merge: LoRA option(s)" in error
+    assert "--lora-alpha" not in error.splitlines()[-1]  # only the options given are named
+
+
+def test_lora_options_take_their_defaults_when_not_given(tmp_path):
+    argv = ["--model", str(tmp_path / "absent"), "--data", str(tmp_path / "absent.jsonl"), "--output",
+            str(tmp_path / "out")]  # fmt: skip
+    args = finetune.parse_args(argv)
+    assert (args.lora_rank, args.lora_alpha, args.lora_experts, args.merge) == (16, 32, False, False)
 
 
 def test_script_skips_bad_examples_when_asked(tiny_kimi_vl_dir, bad_jsonl, tmp_path, capsys):

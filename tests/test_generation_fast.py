@@ -629,6 +629,21 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
 
 
 @requires_cuda
+def test_cuda_static_generation_takes_a_prompt_on_the_cpu_as_plain_generate_does(reference_checkpoint):
+    """The forward's inputs go to the model's device, the tokens stay where the prompt was given (GenerationMixin)."""
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="batched_mm")
+    model = model.to("cuda").eval()
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
+    on_the_model = model.generate(**batched_multi_image_request("cuda"), **settings)
+    for cuda_graphs in (True, False):
+        static = model.generate(
+            **batched_multi_image_request("cpu"), **settings, cache_implementation="static", cuda_graphs=cuda_graphs
+        )
+        assert static.device.type == "cpu"
+        assert torch.equal(static, on_the_model.cpu())
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_of_every_read_bucket_equal_eager_steps(reference_checkpoint, expected, dtype, monkeypatch):
     """80 new tokens from a 57-token prompt with read buckets from 32: decode graphs for 64, 96, 128 and 192 slots,

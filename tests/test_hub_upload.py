@@ -353,23 +353,42 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
         wait_until(lambda: not is_running(verifier), "the orphaned verification child to end")
     finally:
         stop_if_running(verifier)
-    [abandoned] = leftovers(tmp_path)  # nothing could remove its temp folder (a full copy of the weights) ...
-    assert abandoned.startswith(".out.partial-")
+    # Nothing could remove its temp folder (a full copy of the weights) and the folder's lock file ...
+    abandoned, abandoned_lock = leftovers(tmp_path)
+    assert abandoned.startswith(".out.partial-") and abandoned_lock == abandoned + ".lock"
     export_checkpoint(source, tmp_path / "out", verify=False)
     assert leftovers(tmp_path) == []  # ... until the next export into the same target
 
 
 def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
     running = tmp_path / ".out.partial-abcd1234"
+    lock = export_module._staging_lock(running)
+    lock.acquire()  # as the export holding it does, from before the folder exists until it ends
     running.mkdir()
-    lock = export_module._lock_folder(running)  # as the export holding it does, until it ends
     try:
         export_checkpoint(source, tmp_path / "out", verify=False)
-        assert leftovers(tmp_path) == [running.name]
+        assert leftovers(tmp_path) == [running.name, running.name + ".lock"]
     finally:
-        os.close(lock)
+        lock.release()
     export_checkpoint(source, tmp_path / "out", verify=False, overwrite=True)
     assert leftovers(tmp_path) == []
+
+
+def test_a_temp_folder_is_locked_from_the_moment_it_exists(source, tmp_path, monkeypatch):
+    """Another export's clean-up that runs right after this export created its temp folder leaves the folder alone."""
+    out = tmp_path / "out"
+    make_folder = os.mkdir
+    cleaned_up_after = []
+
+    def make_folder_then_clean_up(path, *args, **kwargs):
+        make_folder(path, *args, **kwargs)
+        if Path(path).name.startswith(".out.partial-"):
+            export_module._remove_abandoned_staging(out)  # as a concurrent export into `out` starts
+            cleaned_up_after.append(Path(path).name)
+
+    monkeypatch.setattr(os, "mkdir", make_folder_then_clean_up)
+    export_checkpoint(source, out, verify=False)
+    assert cleaned_up_after and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
 def test_reexport_is_idempotent(exported, tmp_path):
@@ -512,6 +531,55 @@ def test_files_that_are_not_regular_files_inside_the_source_are_refused_unread(s
         f"tokenizer_config.json links to {secret}, outside the source folder; copy the file in instead",
     ]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def _index_over(folder: Path, shards: list[object]) -> None:
+    """An index that places the checkpoint's tensors, in turn, in each of `shards` (any JSON values)."""
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        names = list(handle.keys())
+    weight_map = {name: shards[position % len(shards)] for position, name in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_every_shard_the_index_names_is_checked_whatever_its_suffix(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not for the hub")
+    (folder / "weights.bin").symlink_to(secret)
+    os.mkfifo(folder / "more.st")  # reading it would wait forever
+    _index_over(folder, ["weights.bin", "more.st"])
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert caught.value.problems == [
+        "more.st is not a regular file",
+        f"weights.bin links to {secret}, outside the source folder; copy the file in instead",
+    ]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_an_index_naming_a_shard_outside_the_folder_is_refused_unread(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(folder / "model.safetensors", outside)  # a valid shard: only its place is wrong
+    _index_over(folder, ["../outside.safetensors", str(outside), "sub/model.safetensors", "..", 7])
+    with pytest.raises(ExportInputError) as caught:
+        export_checkpoint(folder, tmp_path / "out", verify=False)
+    refused = [repr(name) for name in ("../outside.safetensors", str(outside), "sub/model.safetensors", "..")]
+    refused.append("7")
+    assert caught.value.problems == [
+        f"model.safetensors.index.json names {name} as a shard, which is not a file name in the source folder "
+        "(shards sit beside the index)"
+        for name in sorted(refused)
+    ]
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_an_index_whose_shards_end_otherwise_exports_them(source, tmp_path):
+    folder = copy_source(source, tmp_path)
+    _index_over(folder, ["weights.bin"])
+    (folder / "model.safetensors").rename(folder / "weights.bin")
+    export_checkpoint(folder, tmp_path / "out", verify=False)
+    assert tensor_bytes(tmp_path / "out") == tensor_bytes(source)
 
 
 def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_exports_as_the_folder_does(exported, source, tmp_path):

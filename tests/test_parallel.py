@@ -338,6 +338,15 @@ def test_weight_mode_refuses_heads_that_do_not_divide(rank_reports):
         assert "3 attention heads across 2 ranks" in error and "mm_encoder_tp_mode='data'" in error
 
 
+@pytest.mark.parametrize("loaded, switched", [("data", "weight"), ("weight", "data")])
+def test_switching_the_vision_mode_after_a_tensor_parallel_load_is_refused(rank_reports, loaded, switched):
+    for report in rank_reports:
+        error = report[f"{loaded}.switched_to_{switched}.error"]
+        assert error is not None, f"a model loaded in {loaded} mode encoded images in {switched} mode"
+        assert f"mm_encoder_tp_mode is {switched!r}" in error and f"loaded with {loaded!r}" in error
+        assert f"mm_encoder_tp_mode={switched!r}" in error  # how to get the mode: load again with it
+
+
 @pytest.mark.parametrize("saved", ["saved_data", "saved_weight"])
 def test_save_from_tensor_parallel_model_is_the_original_layout(worker_run, reference_checkpoint, saved):
     source = load_file(reference_checkpoint / "model.safetensors")
