@@ -195,6 +195,15 @@ class KimiVLWeightOnlyConfig(QuantizationConfigMixin):
     def make_scheme(self) -> Int8Scheme | Int4Scheme:
         return Int8Scheme() if self.scheme == "int8" else Int4Scheme(self.group_size)
 
+    def describe(self) -> str:
+        """How the quantized weights are stored, in words (export checks and model cards)."""
+        if self.scheme == "int8":
+            return "int8 weight-only: int8 weights, one scale per output channel"
+        return (
+            f"int4 weight-only: two int4 values packed per byte (uint8, half as many columns as inputs), one scale per "
+            f"{self.group_size} inputs of each output channel"
+        )
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Quantized modules
@@ -421,7 +430,10 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
 
 
 def register_weight_only_quantization() -> None:
-    """Make `quant_method: kimi_vl_weight_only` known to from_pretrained (idempotent)."""
+    """Make `quant_method: kimi_vl_weight_only` known to from_pretrained. Called when modeling_kimi_vl.py is imported,
+    which can happen more than once in a process: the package and an exported repository's copy of the file (a module
+    transformers names after the repository), or that copy re-executed when its files change. The first registration
+    stays (transformers' registry refuses a second); any later copy of this code would quantize the same way."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(KimiVLWeightOnlyConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
