@@ -281,34 +281,43 @@ def _check_tensors_against_model(
         problems.append(f"{CONFIG_NAME}'s quantization_config does not fit the model: {error}")
         return
     found = {entry.name: entry for entry in tensors}
-
-    def layout(name: str) -> str:
-        """For the tensors of the quantized layout (the integer weights and their scales, which the quantizer names
-        `<weight>_scale`), how the scheme stores them."""
-        in_layout = expected[name].dtype in SAFETENSORS_INTEGER_DTYPES or name.endswith("_scale")
-        return f" ({quantization.describe()})" if quantization is not None and in_layout else ""
-
     missing = sorted(expected.keys() - found.keys(), key=natural_key)
-    _list_problems(
-        problems, [f"{name}{layout(name)}" for name in missing], "missing tensor {} (the config's model needs it)"
-    )
+    _list_problems(problems, missing, "missing tensor {} (the config's model needs it)")
     unexpected = sorted(found.keys() - expected.keys(), key=natural_key)
     _list_problems(problems, unexpected, "unexpected tensor {} (the config's model has no such weight)")
     present = sorted(expected.keys() & found.keys(), key=natural_key)
-    wrong_shape = [
-        f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, "
-        f"the config needs {list(expected[name].shape)}{layout(name)}"
-        for name in present
-        if found[name].shape != tuple(expected[name].shape)
+    wrong_shape = [name for name in present if found[name].shape != tuple(expected[name].shape)]
+    _list_problems(
+        problems,
+        [
+            f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, "
+            f"the config needs {list(expected[name].shape)}"
+            for name in wrong_shape
+        ],
+        "tensor {}",
+    )
+    wrong_dtype = [name for name in present if found[name].dtype not in allowed_dtypes(expected[name])]
+    _list_problems(
+        problems,
+        [
+            f"{name} in {found[name].file.name} is {found[name].dtype}, "
+            f"the config needs {' or '.join(allowed_dtypes(expected[name]))}"
+            for name in wrong_dtype
+        ],
+        "tensor {}",
+    )
+    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`.
+    in_layout = [
+        name
+        for name in (*missing, *wrong_shape, *wrong_dtype)
+        if expected[name].dtype in SAFETENSORS_INTEGER_DTYPES or name.endswith("_scale")
     ]
-    _list_problems(problems, wrong_shape, "tensor {}")
-    wrong_dtype = [
-        f"{name} in {found[name].file.name} is {found[name].dtype}, the config needs "
-        f"{' or '.join(allowed_dtypes(expected[name]))}{layout(name)}"
-        for name in present
-        if found[name].dtype not in allowed_dtypes(expected[name])
-    ]
-    _list_problems(problems, wrong_dtype, "tensor {}")
+    if quantization is not None and in_layout:
+        problems.append(
+            f"what the quantized tensors above must be, by {CONFIG_NAME}'s quantization_config: "
+            f"{quantization.describe()}; the scales of each weight beside it as <weight>_scale (the routed experts': "
+            "one gate_up_proj_scale and one down_proj_scale per layer)"
+        )
 
 
 def allowed_dtypes(expected: torch.Tensor) -> tuple[str, ...]:

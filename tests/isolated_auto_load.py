@@ -40,6 +40,8 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
         "image_processor": type(image_processor),
         "tokenizer": type(tokenizer),
     }
+    if model.hf_quantizer is not None:  # a quantized export: the quantizer must come from the exported files too
+        classes["quantizer"] = type(model.hf_quantizer)
     metadata = {"classes": json.dumps({role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in classes.items()})}
     save_file(
         {"mm_logits": logits.contiguous(), "mm_generated": generated.contiguous()}, output_path, metadata=metadata
