@@ -40,7 +40,9 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
         "image_processor": type(image_processor),
         "tokenizer": type(tokenizer),
     }
-    if model.hf_quantizer is not None:  # a quantized export: the quantizer must come from the exported files too
+    # A quantized export: its quantizer must come from the exported files too (and be there at all: transformers would
+    # load weights of a quant_method it does not know as float ones, with a warning).
+    if getattr(model, "hf_quantizer", None) is not None:
         classes["quantizer"] = type(model.hf_quantizer)
     metadata = {"classes": json.dumps({role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in classes.items()})}
     save_file(
