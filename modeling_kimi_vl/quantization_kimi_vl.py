@@ -391,10 +391,12 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
 
     def validate_environment(self, *args, **kwargs):
         if not quantization_supported():
+            # A checkpoint stored quantized (config.json's quantization_config) has no float weights to fall back to.
+            remedy = "" if self.pre_quantized else ", or load the model without quantization_config"
             raise ImportError(
                 f"{QUANT_METHOD} quantization needs transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION} (found "
                 f"{transformers.__version__}): earlier releases cast each weight to int8 before it can be quantized. "
-                f"Upgrade transformers, or load the model without quantization_config."
+                f"Upgrade transformers{remedy}."
             )
 
     def _process_model_before_weight_loading(self, model, **kwargs):
