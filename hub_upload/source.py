@@ -296,12 +296,12 @@ def _check_tensors_against_model(
         ],
         "tensor {}",
     )
-    wrong_dtype = [name for name in present if found[name].dtype not in allowed_dtypes(expected[name])]
+    wrong_dtype = [name for name in present if found[name].dtype not in _allowed_dtypes(expected[name])]
     _list_problems(
         problems,
         [
             f"{name} in {found[name].file.name} is {found[name].dtype}, "
-            f"the config needs {' or '.join(allowed_dtypes(expected[name]))}"
+            f"the config needs {' or '.join(_allowed_dtypes(expected[name]))}"
             for name in wrong_dtype
         ],
         "tensor {}",
@@ -314,13 +314,13 @@ def _check_tensors_against_model(
     ]
     if quantization is not None and in_layout:
         problems.append(
-            f"what the quantized tensors above must be, by {CONFIG_NAME}'s quantization_config: "
-            f"{quantization.describe()}; the scales of each weight beside it as <weight>_scale (the routed experts': "
-            "one gate_up_proj_scale and one down_proj_scale per layer)"
+            f"the quantized tensors above do not fit {CONFIG_NAME}'s quantization_config, {quantization.describe()}; "
+            "each weight's scales beside it as <weight>_scale (the routed experts': one gate_up_proj_scale and one "
+            "down_proj_scale per layer)"
         )
 
 
-def allowed_dtypes(expected: torch.Tensor) -> tuple[str, ...]:
+def _allowed_dtypes(expected: torch.Tensor) -> tuple[str, ...]:
     """The safetensors dtypes a checkpoint tensor may have: a quantized weight's exactly, any float for the rest."""
     integer = SAFETENSORS_INTEGER_DTYPES.get(expected.dtype)
     return (integer,) if integer is not None else SAFETENSORS_FLOAT_DTYPES

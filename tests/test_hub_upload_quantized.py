@@ -176,7 +176,7 @@ def _move_quantization_into_text_config(config: dict) -> None:
 
 LM_HEAD = "language_model.lm_head.weight"
 EXPERT = "language_model.model.layers.3.mlp.experts.0.gate_proj.weight"  # [32, 64] in float
-LAYOUT = "what the quantized tensors above must be, by config.json's quantization_config: "
+LAYOUT = "the quantized tensors above do not fit config.json's quantization_config, "
 INT8_LAYOUT = LAYOUT + "int8 weight-only: int8 weights, one scale per output channel;"
 # (scheme of the source, how to break it, what the refusal must say, what it must not say)
 BAD_QUANTIZED_SOURCES = {
