@@ -19,7 +19,14 @@ from test_hub_upload import leftovers, tensor_bytes
 from test_quantization import load_quantized
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-from hub_upload import ExportInputError, check_export_folder, export_checkpoint, run_isolated
+from hub_upload import (
+    ExportInputError,
+    ExportVerificationError,
+    check_export_folder,
+    export_checkpoint,
+    run_isolated,
+    verify_export,
+)
 from hub_upload.model_card import ModelCardInfo
 from modeling_kimi_vl import KimiVLWeightOnlyConfig
 from modeling_kimi_vl.quantization_kimi_vl import QUANT_METHOD, KimiVLWeightOnlyQuantizer
@@ -131,6 +138,19 @@ def test_quantized_export_loads_as_remote_code_with_the_in_package_logits(
     outputs = load_file(output)
     assert torch.equal(outputs["mm_logits"], logits)  # same code, weights, device and dtype: bit for bit
     assert torch.equal(outputs["mm_generated"], generated)
+
+
+def test_verification_refuses_a_quantized_export_that_loads_unquantized(quantized_sources, tmp_path):
+    """Without the registration, transformers loads int8 weights (shaped like float ones) as float with a warning:
+    the verification must catch it rather than pass a repository that computes garbage."""
+    export = tmp_path / "export"
+    export_checkpoint(quantized_sources["int8"].folder, export, verify=False)
+    modeling = export / "modeling_kimi_vl.py"
+    code = modeling.read_text()
+    assert code.count("\nregister_weight_only_quantization()\n") == 1
+    modeling.write_text(code.replace("\nregister_weight_only_quantization()\n", "\n"))
+    with pytest.raises(ExportVerificationError, match="has a quantization_config .* loaded without a quantizer"):
+        verify_export(export)
 
 
 def test_registration_is_idempotent_and_keeps_the_first():
