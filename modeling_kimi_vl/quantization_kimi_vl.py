@@ -435,7 +435,8 @@ def register_weight_only_quantization() -> None:
     """Make `quant_method: kimi_vl_weight_only` known to from_pretrained. Called when modeling_kimi_vl.py is imported,
     which can happen more than once in a process: the package and an exported repository's copy of the file (a module
     transformers names after the repository), or that copy re-executed when its files change. The first registration
-    stays (transformers' registry refuses a second); any later copy of this code would quantize the same way."""
+    stays (transformers' registry refuses a second) and serves models of every copy: its module swap matches
+    transformers' own DeepseekV3Experts and nn.Linear, which all copies build on."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(KimiVLWeightOnlyConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
