@@ -140,6 +140,22 @@ def test_quantized_export_loads_as_remote_code_with_the_in_package_logits(
     assert torch.equal(outputs["mm_generated"], generated)
 
 
+def test_the_exported_model_class_loads_quantized_beside_the_package(quantized_export, expected):
+    """In a process that imported our package first (whose Auto registrations then take precedence over remote code),
+    the exported files' model class, imported explicitly, loads quantized with the package's quantizer, the one
+    registered first."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    source, export = quantized_export
+    model_class = get_class_from_dynamic_module("modeling_kimi_vl.KimiVLForConditionalGeneration", export)
+    assert model_class.__module__.startswith("transformers_modules.")
+    model = model_class.from_pretrained(export, attn_implementation="sdpa").eval()
+    assert type(model.hf_quantizer) is KimiVLWeightOnlyQuantizer
+    inputs = multimodal_inputs(expected)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, source.model(**inputs).logits)
+
+
 def test_verification_refuses_a_quantized_export_that_loads_unquantized(quantized_sources, tmp_path):
     """Without the registration, transformers loads int8 weights (shaped like float ones) as float with a warning:
     the verification must catch it rather than pass a repository that computes garbage."""
