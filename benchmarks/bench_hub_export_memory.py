@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.common import REPO_ROOT, scratch_folder, write_result
-from hub_upload.source import expected_checkpoint_shapes
+from hub_upload.source import expected_checkpoint_tensors
 from hub_upload.weights import natural_key
 from modeling_kimi_vl import KimiVLConfig
 from modeling_kimi_vl.tiny_checkpoint import write_tiny_checkpoint
@@ -49,7 +49,9 @@ def build_wide_source(folder: Path, tiny: Path) -> int:
     config["torch_dtype"] = "bfloat16"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    shapes = expected_checkpoint_shapes(KimiVLConfig.from_dict(config))
+    shapes = {
+        name: tensor.shape for name, tensor in expected_checkpoint_tensors(KimiVLConfig.from_dict(config)).items()
+    }
     names = sorted(shapes, key=natural_key)
     weight_map, total = {}, 0
     for number in range(SOURCE_SHARDS):  # one source shard in memory at a time

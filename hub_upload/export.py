@@ -193,7 +193,9 @@ def _write_export(
 
     for name, path in code_files.items():
         shutil.copyfile(path, folder / name)
-    (folder / MODEL_CARD_NAME).write_text(render_model_card(checkpoint.config, card), encoding="utf-8")
+    (folder / MODEL_CARD_NAME).write_text(
+        render_model_card(checkpoint.config, card, checkpoint.quantization), encoding="utf-8"
+    )
     return len(shards)
 
 

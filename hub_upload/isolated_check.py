@@ -22,6 +22,13 @@ def main(folder: str) -> None:
     loaded = {"config": type(config), "model": type(model), "processor": type(processor)}
     loaded["tokenizer"] = type(processor.tokenizer)
     loaded["image_processor"] = type(processor.image_processor)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        # transformers loads weights of a quant_method it does not know as float ones, with only a warning: the
+        # exported code must have registered the quantizer before from_pretrained looked for it.
+        if getattr(model, "hf_quantizer", None) is None:
+            sys.exit(f"config.json has a quantization_config ({quantization}) but the model loaded without a quantizer")
+        loaded["quantizer"] = type(model.hf_quantizer)
     not_remote = {
         role: cls.__module__ for role, cls in loaded.items() if not cls.__module__.startswith("transformers_modules")
     }
@@ -45,6 +52,7 @@ def main(folder: str) -> None:
         "prompt_tokens": inputs["input_ids"].shape[-1],
         "logits_shape": list(logits.shape),
         "generated": generated[0, -NEW_TOKENS:].tolist(),
+        "quantization": quantization,
     }
     print(json.dumps(report))
 

@@ -1,5 +1,6 @@
 """Reading and checking a Kimi-VL folder before anything is exported: the original hub layout, or a folder written by
-transformers 5's `save_pretrained` (model and processor, e.g. a fine-tune saved by this project).
+transformers 5's `save_pretrained` (model and processor, e.g. a fine-tune saved by this project, or a model quantized
+on load with this project's `KimiVLWeightOnlyConfig`).
 
 Every problem found is collected, so one run reports all of them at once (a missing tokenizer AND a wrong tensor shape),
 and nothing has been written when the error is raised.
@@ -13,7 +14,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration
+from modeling_kimi_vl import KimiVLConfig, KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
+from modeling_kimi_vl.quantization_kimi_vl import QUANT_METHOD, replace_with_weight_only_modules
 
 from .weights import INDEX_NAME, SINGLE_FILE_NAME, TensorEntry, natural_key, read_header
 
@@ -28,6 +30,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 # Long lists (a checkpoint of the wrong model) are cut to this many lines per kind of problem.
 MAX_LISTED = 20
+# safetensors' names of the integer dtypes quantized weights are stored in; every other tensor is floating point.
+SAFETENSORS_INTEGER_DTYPES = {torch.int8: "I8", torch.uint8: "U8"}
+SAFETENSORS_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Carried into the export byte for byte when the source has them (the tokenizer model must be there, see read_source).
 CARRIED_FILE_NAMES = (TOKENIZER_MODEL_NAME, SPECIAL_TOKENS_MAP_NAME, GENERATION_CONFIG_NAME)
 # Everything the export reads from the source: these names and the weight files (*.safetensors).
@@ -62,6 +67,7 @@ class SourceCheckpoint:
     preprocessor_config: dict  # the image processor's settings, from whichever of the two files the folder has
     chat_template: str | None  # the checkpoint's own template, if it ships one
     carried_files: dict[str, bytes]  # name -> content, of the CARRIED_FILE_NAMES the source has; JSON ones checked
+    quantization: KimiVLWeightOnlyConfig | None  # config.json's quantization_config, if the weights are quantized
 
 
 def read_source(folder: Path) -> SourceCheckpoint:
@@ -81,8 +87,11 @@ def read_source(folder: Path) -> SourceCheckpoint:
     tensors = _read_weights(folder, problems)
     carried_files = _read_carried_files(folder, problems)
     model_config = _check_config(config, problems) if config is not None else None
-    if model_config is not None and tensors:
-        _check_tensors_against_model(model_config, tensors, problems)
+    quantization = None
+    if model_config is not None:
+        understood, quantization = _check_quantization_config(config, problems)
+        if understood and tensors:
+            _check_tensors_against_model(model_config, quantization, tensors, problems)
     if problems:
         raise ExportInputError(folder, problems)
     return SourceCheckpoint(
@@ -93,6 +102,7 @@ def read_source(folder: Path) -> SourceCheckpoint:
         preprocessor_config=preprocessor_config,
         chat_template=_read_chat_template(folder, tokenizer_config),
         carried_files=carried_files,
+        quantization=quantization,
     )
 
 
@@ -210,32 +220,110 @@ def _check_config(config: dict, problems: list[str]) -> KimiVLConfig | None:
         return None
 
 
-def expected_checkpoint_shapes(config: KimiVLConfig) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of every tensor a checkpoint of `config` holds, in the original (saved) key layout.
+def _check_quantization_config(config: dict, problems: list[str]) -> tuple[bool, KimiVLWeightOnlyConfig | None]:
+    """(whether the weights' format is understood, the quantization config if they are quantized).
 
-    The model is built on the meta device (no memory), and transformers' own save-time conversion turns its state dict
-    into the checkpoint layout (e.g. the fused MoE expert tensors back into per-expert linears).
+    Understood: float weights (no quantization_config), and weights saved by this project's quantizer (a top-level
+    `quantization_config` with `quant_method: kimi_vl_weight_only` and valid options, as save_pretrained writes it).
+    Any other method (fp8, bitsandbytes, ...) stores tensors this export can neither check nor load in its
+    verification, so it is refused, and its tensors are not listed one by one.
+    """
+    exportable = (
+        f"only float checkpoints and checkpoints quantized by kimi-vl-hf's KimiVLWeightOnlyConfig "
+        f"(quant_method {QUANT_METHOD!r}) can be exported"
+    )
+    if config["text_config"].get("quantization_config") is not None:
+        problems.append(
+            f"{CONFIG_NAME}'s text_config has a quantization_config, which kimi-vl-hf never writes: {exportable}"
+        )
+        return False, None
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return True, None
+    quant_method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if quant_method != QUANT_METHOD:
+        problems.append(f"{CONFIG_NAME}'s quantization_config has quant_method {quant_method!r}: {exportable}")
+        return False, None
+    try:
+        return True, KimiVLWeightOnlyConfig.from_dict(quantization)
+    except (ValueError, TypeError) as error:
+        problems.append(f"{CONFIG_NAME}'s quantization_config is not a valid {QUANT_METHOD} config: {error}")
+        return False, None
+
+
+def expected_checkpoint_tensors(
+    config: KimiVLConfig, quantization: KimiVLWeightOnlyConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """Key -> meta tensor (shape, dtype) of every tensor a checkpoint of `config` holds, in the original (saved) key
+    layout. Float tensors are float32 here; a checkpoint may hold them in any floating-point dtype.
+
+    The model is built on the meta device (no memory); for a quantized checkpoint, the quantizer's own module swap
+    gives its quantized weights (int8, or int4 packed in uint8) and their `*_scale` tensors. transformers' save-time
+    conversion then turns the state dict into the checkpoint layout (e.g. the fused MoE expert tensors back into
+    per-expert linears; the experts' scales stay one `[experts, ...]` tensor per projection), as save_pretrained does.
     """
     with torch.device("meta"):
         model = KimiVLForConditionalGeneration(config)
-    saved = revert_weight_conversion(model, model.state_dict())
-    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    if quantization is not None:
+        replace_with_weight_only_modules(model, quantization.make_scheme(), quantization.modules_to_not_convert)
+    return revert_weight_conversion(model, model.state_dict())
 
 
-def _check_tensors_against_model(config: KimiVLConfig, tensors: list[TensorEntry], problems: list[str]) -> None:
-    expected = expected_checkpoint_shapes(config)
+def _check_tensors_against_model(
+    config: KimiVLConfig,
+    quantization: KimiVLWeightOnlyConfig | None,
+    tensors: list[TensorEntry],
+    problems: list[str],
+) -> None:
+    try:
+        expected = expected_checkpoint_tensors(config, quantization)
+    except ValueError as error:  # an int4 group size that does not divide a layer's inputs
+        problems.append(f"{CONFIG_NAME}'s quantization_config does not fit the model: {error}")
+        return
     found = {entry.name: entry for entry in tensors}
     missing = sorted(expected.keys() - found.keys(), key=natural_key)
     _list_problems(problems, missing, "missing tensor {} (the config's model needs it)")
     unexpected = sorted(found.keys() - expected.keys(), key=natural_key)
     _list_problems(problems, unexpected, "unexpected tensor {} (the config's model has no such weight)")
-    wrong_shape = [
-        f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, "
-        f"the config needs {list(expected[name])}"
-        for name in sorted(expected.keys() & found.keys(), key=natural_key)
-        if found[name].shape != expected[name]
+    present = sorted(expected.keys() & found.keys(), key=natural_key)
+    wrong_shape = [name for name in present if found[name].shape != tuple(expected[name].shape)]
+    _list_problems(
+        problems,
+        [
+            f"{name} in {found[name].file.name} has shape {list(found[name].shape)}, "
+            f"the config needs {list(expected[name].shape)}"
+            for name in wrong_shape
+        ],
+        "tensor {}",
+    )
+    wrong_dtype = [name for name in present if found[name].dtype not in _allowed_dtypes(expected[name])]
+    _list_problems(
+        problems,
+        [
+            f"{name} in {found[name].file.name} is {found[name].dtype}, "
+            f"the config needs {' or '.join(_allowed_dtypes(expected[name]))}"
+            for name in wrong_dtype
+        ],
+        "tensor {}",
+    )
+    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`.
+    in_layout = [
+        name
+        for name in (*missing, *wrong_shape, *wrong_dtype)
+        if expected[name].dtype in SAFETENSORS_INTEGER_DTYPES or name.endswith("_scale")
     ]
-    _list_problems(problems, wrong_shape, "tensor {}")
+    if quantization is not None and in_layout:
+        problems.append(
+            f"the quantized tensors above do not fit {CONFIG_NAME}'s quantization_config, {quantization.describe()}; "
+            "each weight's scales beside it as <weight>_scale (the routed experts': one gate_up_proj_scale and one "
+            "down_proj_scale per layer)"
+        )
+
+
+def _allowed_dtypes(expected: torch.Tensor) -> tuple[str, ...]:
+    """The safetensors dtypes a checkpoint tensor may have: a quantized weight's exactly, any float for the rest."""
+    integer = SAFETENSORS_INTEGER_DTYPES.get(expected.dtype)
+    return (integer,) if integer is not None else SAFETENSORS_FLOAT_DTYPES
 
 
 def _list_problems(problems: list[str], items: list[str], template: str) -> None:

@@ -39,7 +39,14 @@ from .parallel_kimi_vl import (
     encode_images_data_parallel,
     local_part,
 )
+from .quantization_kimi_vl import register_weight_only_quantization
 from .transformers_compat_modeling import CACHE_ARGUMENT
+
+# `quant_method: kimi_vl_weight_only` becomes known to from_pretrained here, in the file that defines the model, not in
+# the package's __init__.py: an exported repository ships this file without the __init__.py, and transformers'
+# remote-code loader imports it (the auto_map's model class) before `from_pretrained` looks the config's
+# quantization_config up (`get_hf_quantizer`), so a quantized repository loads with trust_remote_code=True alone.
+register_weight_only_quantization()
 
 # The released MoonViT fixes these in code rather than in its config.
 MOONVIT_LAYER_NORM_EPS = 1e-5

@@ -212,6 +212,15 @@ class KimiVLWeightOnlyConfig(QuantizationConfigMixin):
     def make_scheme(self) -> Int8Scheme | Int4Scheme:
         return Int8Scheme() if self.scheme == "int8" else Int4Scheme(self.group_size)
 
+    def describe(self) -> str:
+        """How the quantized weights are stored, in words (export checks and model cards)."""
+        if self.scheme == "int8":
+            return "int8 weight-only: int8 weights, one scale per output channel"
+        return (
+            f"int4 weight-only: two int4 values packed per byte (uint8, half as many columns as inputs), one scale per "
+            f"{self.group_size} inputs of each output channel"
+        )
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Quantized modules
@@ -426,10 +435,12 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
 
     def validate_environment(self, *args, **kwargs):
         if not quantization_supported():
+            # A checkpoint stored quantized (config.json's quantization_config) has no float weights to fall back to.
+            remedy = "" if self.pre_quantized else ", or load the model without quantization_config"
             raise ImportError(
                 f"{QUANT_METHOD} quantization needs transformers>={QUANTIZATION_MIN_TRANSFORMERS_VERSION} (found "
                 f"{transformers.__version__}): earlier releases cast each weight to int8 before it can be quantized. "
-                f"Upgrade transformers, or load the model without quantization_config."
+                f"Upgrade transformers{remedy}."
             )
 
     def _process_model_before_weight_loading(self, model, **kwargs):
@@ -465,7 +476,11 @@ class KimiVLWeightOnlyQuantizer(HfQuantizer):
 
 
 def register_weight_only_quantization() -> None:
-    """Make `quant_method: kimi_vl_weight_only` known to from_pretrained (idempotent)."""
+    """Make `quant_method: kimi_vl_weight_only` known to from_pretrained. Called when modeling_kimi_vl.py is imported,
+    which can happen more than once in a process: the package and an exported repository's copy of the file (a module
+    transformers names after the repository), or that copy re-executed when its files change. The first registration
+    stays (transformers' registry refuses a second) and serves models of every copy: its module swap matches
+    transformers' own DeepseekV3Experts and nn.Linear, which all copies build on."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(KimiVLWeightOnlyConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:

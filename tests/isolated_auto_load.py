@@ -40,6 +40,10 @@ def main(folder: str, expected_path: str, output_path: str) -> None:
         "image_processor": type(image_processor),
         "tokenizer": type(tokenizer),
     }
+    # A quantized export: its quantizer must come from the exported files too (and be there at all: transformers would
+    # load weights of a quant_method it does not know as float ones, with a warning).
+    if getattr(model, "hf_quantizer", None) is not None:
+        classes["quantizer"] = type(model.hf_quantizer)
     metadata = {"classes": json.dumps({role: f"{cls.__module__}.{cls.__qualname__}" for role, cls in classes.items()})}
     save_file(
         {"mm_logits": logits.contiguous(), "mm_generated": generated.contiguous()}, output_path, metadata=metadata
