@@ -7,8 +7,11 @@ function runs eagerly. A `GenerationWorkspace` holds, for one batch bucket and o
 step per read bucket. `StaticGenerationState` is a model's registry of workspaces.
 
 A prefill step of bucket Lb reads (and masks) only the cache slots [0, Lb): nothing later can be visible to a prompt
-query. A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 384, 512, 768,
-1024, ..., capped at the capacity), so its cost follows the request's length, not the capacity: a large fixed
+query. Prompts longer than PREFILL_CHUNK_TOKENS are prefilled eagerly in chunks of that many tokens, each reading the
+slots filled so far: the attention mask and the activations grow with the chunk, not with the prompt squared.
+
+A decode step reads the filled slots rounded up to a read bucket (`decode_read_bucket`: 256, 384, 512, 768, 1024, ...,
+capped at the capacity), so its cost follows the request's length, not the capacity: a large fixed
 `max_cache_len` costs memory, not speed. Each read bucket has its own step (a graph on CUDA), chosen on the host from
 the number of tokens fed so far, never from device values. With the absorbed MLA attention
 (modeling_kimi_vl.KimiVLMLAAttention) a decode step reads each cached slot's latent once for all heads instead of
@@ -43,6 +46,11 @@ from .transformers_compat_modeling import CACHE_ARGUMENT
 MAX_WORKSPACES = 8
 # Prefill steps (one per prompt bucket, each a CUDA graph with its own output) kept per workspace.
 MAX_PREFILL_STEPS = 8
+# Longer prompts are prefilled in chunks of this many tokens, eagerly. In one piece, a prompt's attention mask is
+# prompt x prompt (a 32K-token prompt: 1 GiB of booleans, and twice that as the additive mask SDPA makes of it) and its
+# MoE activations grow with it; in chunks both are chunk-sized. Such prefill is compute-bound, so replaying it from a
+# CUDA graph would gain nothing, and one graph per chunk offset would be many.
+PREFILL_CHUNK_TOKENS = 4096
 # The smallest number of cache slots a decode step reads; larger read buckets grow geometrically from here up to the
 # capacity (see decode_read_bucket).
 MIN_DECODE_READ_SLOTS = 256
@@ -115,11 +123,11 @@ class GenerationWorkspace:
     the input buffers of the steps, and the steps themselves (one prefill step per prompt bucket and one decode step
     per read bucket, at most MAX_PREFILL_STEPS and MAX_DECODE_STEPS of them, least recently used first out).
 
-    The prefill inputs are one `[batch, length, ...]` buffer each, which every prompt bucket reads a leading view of,
-    so a new prompt bucket costs a graph, not new input buffers. Their length follows the longest prompt bucket seen,
-    not the capacity (a server-sized `max_cache_len` would otherwise hold batch x capacity x hidden for embeddings no
-    prompt fills): they grow, at least doubling, when a longer prompt comes, and the prefill steps captured over the
-    old buffers are dropped then.
+    The prefill inputs are one `[batch, length, ...]` buffer each, which every prompt bucket (and every chunk of a long
+    prompt) reads a leading view of, so a new prompt bucket costs a graph, not new input buffers. Their length follows
+    the longest prompt bucket seen, up to PREFILL_CHUNK_TOKENS, not the capacity (a server-sized `max_cache_len` would
+    otherwise hold batch x capacity x hidden for embeddings no prompt fills): they grow, at least doubling, when a
+    longer prompt comes, and the prefill steps captured over the old buffers are dropped then.
     """
 
     def __init__(self, model, batch_size: int, num_slots: int, graph_pool):
@@ -181,12 +189,12 @@ class GenerationWorkspace:
         return steps[key]
 
     def _reserve_prefill_inputs(self, length: int) -> None:
-        """Make the prefill input buffers hold at least `length` positions (at least doubling, up to the capacity).
+        """Make the prefill input buffers hold at least `length` positions (doubling, up to a chunk or the capacity).
         The prefill steps made so far read the old buffers (a captured graph keeps their addresses): they go too."""
         held = self.prefill_slots.shape[0]
         if length <= held:
             return
-        size = min(self.num_slots, max(length, 2 * held))
+        size = min(self.num_slots, max(length, min(2 * held, PREFILL_CHUNK_TOKENS)))
         self.prefill_steps.clear()
         self.prefill_embeds = self.prefill_embeds.new_zeros(self.batch_size, size, self.prefill_embeds.shape[-1])
         self.prefill_positions = self.prefill_positions.new_zeros(self.batch_size, size)
@@ -212,24 +220,55 @@ class GenerationWorkspace:
 
         return self._step(self.decode_steps, read_slots, MAX_DECODE_STEPS, decode_forward)
 
+    def _fill_prefill_inputs(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, length: int) -> None:
+        """The leading `length` positions of the prefill buffers: the given prompt positions, then filler (zeros),
+        and zeros for the dummy rows."""
+        batch_size, given = position_ids.shape
+        self.prefill_embeds[:, :length].zero_()
+        self.prefill_embeds[:batch_size, :given].copy_(inputs_embeds)
+        self.prefill_positions[:, :length].zero_()
+        self.prefill_positions[:batch_size, :given].copy_(position_ids)
+
+    def _prefill_in_one_step(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        prompt_length = position_ids.shape[1]
+        length = min(prompt_bucket(prompt_length), self.num_slots)
+        self._reserve_prefill_inputs(length)
+        step = self._prefill_step(length)
+        self._fill_prefill_inputs(inputs_embeds, position_ids, length)
+        self.prefill_last_index.fill_(prompt_length - 1)
+        return step()
+
+    def _prefill_in_chunks(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Eagerly, PREFILL_CHUNK_TOKENS prompt positions at a time: each chunk writes its own slots and reads all the
+        slots filled so far (the mask keeps it causal)."""
+        prompt_length = position_ids.shape[1]
+        self._reserve_prefill_inputs(PREFILL_CHUNK_TOKENS)
+        for start in range(0, prompt_length, PREFILL_CHUNK_TOKENS):
+            end = min(start + PREFILL_CHUNK_TOKENS, prompt_length)
+            self._fill_prefill_inputs(inputs_embeds[:, start:end], position_ids[:, start:end], end - start)
+            self.prefill_last_index.fill_(end - 1 - start)
+            logits = self._run_language_model(
+                end,
+                self.prefill_slots[: end - start] + start,
+                self.prefill_positions[:, : end - start],
+                logits_index=self.prefill_last_index,
+                inputs_embeds=self.prefill_embeds[:, : end - start],
+            )
+        return logits
+
     def prefill(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
         """Run the prompt (`[batch, T, hidden]`, left-padded, mask and positions as `generate` prepared them) and set
         up the decode buffers. Returns the logits of the last prompt token, `[batch, vocab]`."""
         batch_size, prompt_length = attention_mask.shape
-        length = min(prompt_bucket(prompt_length), self.num_slots)
-        self._reserve_prefill_inputs(length)
-        step = self._prefill_step(length)
-        self.prefill_embeds[:, :length].zero_()
-        self.prefill_embeds[:batch_size, :prompt_length].copy_(inputs_embeds)
-        self.prefill_positions[:, :length].zero_()
-        self.prefill_positions[:batch_size, :prompt_length].copy_(position_ids)
-        self.prefill_last_index.fill_(prompt_length - 1)
         # Prompt slots are valid where the mask says so (dummy rows: nowhere); every later slot will hold a generated
         # token by the time a query can see it.
         self.key_valid[:, :prompt_length] = False
         self.key_valid[:batch_size, :prompt_length] = attention_mask.bool()
         self.key_valid[:, prompt_length:] = True
-        logits = step()[:batch_size]
+        if prompt_length <= PREFILL_CHUNK_TOKENS:
+            logits = self._prefill_in_one_step(inputs_embeds, position_ids)[:batch_size]
+        else:
+            logits = self._prefill_in_chunks(inputs_embeds, position_ids)[:batch_size]
 
         # The first decode step feeds slot T at the position after each row's last prompt token.
         self.filled_slots = prompt_length

@@ -174,6 +174,37 @@ def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, 
     assert read == [(64, 64)] * num_layers + [(256, 256)] * 2 * num_layers
 
 
+def test_long_prompts_are_prefilled_in_chunks_that_read_the_slots_filled_so_far(model, expected, monkeypatch):
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.PREFILL_CHUNK_TOKENS", 16)
+    request = fixture_request(expected)  # 57 tokens: chunks of 16, 16, 16 and 9
+    masks = []
+    attention = model.language_model.model.layers[0].self_attn
+    hook = attention.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
+    )
+    try:
+        output = model.generate(**request, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                                max_cache_len=256)  # fmt: skip
+    finally:
+        hook.remove()
+    assert torch.equal(output, expected["mm_generated"][:, : 57 + 3])
+    assert masks == [(1, 1, 16, 16), (1, 1, 16, 32), (1, 1, 16, 48), (1, 1, 9, 57), (1, 1, 1, 256), (1, 1, 1, 256)]
+    (workspace,) = model._static_generation_state().workspaces.values()
+    assert workspace.prefill_embeds.shape[1] == 16 and not workspace.prefill_steps  # chunk-sized, no prefill graph
+
+
+def test_chunked_prefill_of_a_left_padded_batch_equals_plain_generate(model, monkeypatch):
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.PREFILL_CHUNK_TOKENS", 4)
+    request = batched_multi_image_request()
+    # 17 positions: chunks of 4 (the last one 1), the shortest row's padding spanning the first two.
+    assert request["input_ids"].shape[1] == 17 and not request["attention_mask"][1, :8].any()
+    plain = model.generate(**request, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
+    static = model.generate(
+        **request, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static"
+    )
+    assert torch.equal(static, plain)
+
+
 def test_prompt_buckets_share_the_prefill_buffers_and_are_bounded_least_recently_used_first(model, monkeypatch):
     monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.MAX_PREFILL_STEPS", 2)
     settings = dict(max_new_tokens=2, do_sample=False, cache_implementation="static", max_cache_len=256)
@@ -626,6 +657,20 @@ def test_cuda_graph_replay_equals_eager_steps_and_plain_generate(reference_check
     if dtype == torch.float32:
         plain = model.generate(**request, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
         assert torch.equal(graphs, plain)
+
+
+@requires_cuda
+def test_cuda_chunked_prefill_runs_eagerly_beside_the_decode_graphs(reference_checkpoint, monkeypatch):
+    monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.PREFILL_CHUNK_TOKENS", 4)
+    model = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="batched_mm")
+    model = model.to("cuda").eval()
+    request = batched_multi_image_request("cuda")
+    graphs = model.generate(**request, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID,
+                            cache_implementation="static", cuda_graphs=True)  # fmt: skip
+    workspace = next(iter(model._static_generation_state().workspaces.values()))
+    assert not workspace.prefill_steps and workspace.num_graphs == 1  # the decode step's graph only
+    plain = model.generate(**request, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID)
+    assert torch.equal(graphs, plain)
 
 
 @requires_cuda
