@@ -17,6 +17,8 @@ Triton is optional (CUDA builds of torch bring it). The kernel runs on CUDA tens
 interpreter (`TRITON_INTERPRET=1` set before import), which is how the tests check it without a GPU.
 """
 
+import os
+
 import torch
 from transformers.utils.import_utils import is_triton_available
 
@@ -84,8 +86,12 @@ if is_triton_available():
         out_row = out_ptr + pair.to(tl.int64) * out_features
         tl.store(out_row + rows, accumulator.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-    # Decided once, when the kernel is made: under the interpreter it runs on CPU tensors, and only there.
-    KERNEL_DEVICE_TYPES = ("cpu",) if triton.knobs.runtime.interpret else ("cuda",)
+    # Triton chooses its interpreter when a kernel is defined, from TRITON_INTERPRET (read through `triton.knobs` since
+    # Triton 3.4; earlier releases, which torch>=2.6 may bring, compare the variable with "1"). Interpreted, the kernel
+    # runs on CPU tensors, and only there.
+    _knobs = getattr(triton, "knobs", None)
+    _interpreted = _knobs.runtime.interpret if _knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+    KERNEL_DEVICE_TYPES = ("cpu",) if _interpreted else ("cuda",)
 else:
     KERNEL_DEVICE_TYPES = ()
 
