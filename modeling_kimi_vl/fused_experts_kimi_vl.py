@@ -28,6 +28,7 @@ BLOCK_COLS = 128
 if is_triton_available():
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     @triton.jit
     def _weight_only_rows_kernel(
@@ -84,8 +85,10 @@ if is_triton_available():
         out_row = out_ptr + pair.to(tl.int64) * out_features
         tl.store(out_row + rows, accumulator.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-    # Decided once, when the kernel is made: under the interpreter it runs on CPU tensors, and only there.
-    KERNEL_DEVICE_TYPES = ("cpu",) if triton.knobs.runtime.interpret else ("cuda",)
+    # `triton.jit` chose when it made the kernel: under the interpreter (TRITON_INTERPRET=1) it runs on CPU tensors,
+    # and only there. Asked of the kernel itself, which every Triton release answers the same way (`triton.knobs`,
+    # which holds the setting, is 3.4's: torch 2.6 and 2.7 bring 3.2 and 3.3).
+    KERNEL_DEVICE_TYPES = ("cpu",) if isinstance(_weight_only_rows_kernel, InterpretedFunction) else ("cuda",)
 else:
     KERNEL_DEVICE_TYPES = ()
 
