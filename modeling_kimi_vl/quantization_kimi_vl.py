@@ -109,8 +109,9 @@ class Int8Scheme:
 
     def linear(self, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if inputs.device.type != "cpu":
-            # torch's CUDA `_weight_int8pack_mm` is one untiled thread per output (uncoalesced weight reads): for
-            # inputs too large for the fused kernel, dequantizing once and using cuBLAS is far faster.
+            # torch's CUDA `_weight_int8pack_mm` is one untiled thread per output (uncoalesced weight reads), so for
+            # inputs too large for the fused kernel the weight is dequantized once for a cuBLAS matmul (a choice made
+            # from the kernels' structure: not measured yet, see README "Quantization").
             return F.linear(inputs, self.dequantize(qweight, scale, inputs.dtype))
         # The CPU kernel reads the int8 weight and scales the output; it takes 2-D inputs.
         flat = inputs.reshape(-1, inputs.shape[-1])
