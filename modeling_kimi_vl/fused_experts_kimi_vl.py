@@ -6,7 +6,9 @@ picked with a device-side index takes a gather (a copy of the chosen experts), a
 that size) and a batched matmul over the cast copy: more bytes than bf16 weights, not half. Here each program reads
 one block of its expert's output rows once, int8 (or int4, two per byte) plus one scale per row (per group for int4),
 multiplies in float32 and writes its slice of the output. Nothing else is read, nothing is allocated but the output,
-and the launch depends only on shapes, so the static path captures it in CUDA graphs.
+and the launch depends only on shapes, so the static path captures it in CUDA graphs. Triton compiles the kernel at
+its first launch for each specialisation (dtypes, scheme, a layer's sizes); a capture must not compile, and none does:
+the static path runs every step eagerly once before capturing it (`static_steps_kimi_vl.StaticStep`).
 
 It is a matrix-vector kernel (no tensor cores), meant for the few rows of decode: the caller keeps prefill-sized inputs
 on the dequantise-then-matmul path (`quantization_kimi_vl.FUSED_MAX_PAIRS_PER_WEIGHT`). The launch puts pairs on the
