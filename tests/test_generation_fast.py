@@ -691,12 +691,13 @@ def test_cuda_static_generation_takes_a_prompt_on_the_cpu_as_plain_generate_does
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpus_graphs_of_a_model_off_the_current_device_and_none_for_a_split_model(reference_checkpoint):
     """A model on cuda:1 while cuda:0 is current captures and replays on cuda:1 (after a capture on cuda:0 in the same
-    process); a language model spread over both devices runs its steps eagerly and refuses cuda_graphs=True."""
+    process); cuda_graphs=True is refused for a language model spread over both devices."""
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static")
     request = batched_multi_image_request("cpu")
     on_first = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="batched_mm")
     on_first = on_first.to("cuda:0").eval()
-    plain = on_first.generate(**request, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
+    plain = on_first.generate(**batched_multi_image_request("cuda:0"), max_new_tokens=12, do_sample=False,
+                              pad_token_id=PAD_ID).cpu()  # fmt: skip
     assert torch.equal(on_first.generate(**request, **settings, cuda_graphs=True), plain)
     on_second = copy.deepcopy(on_first).to("cuda:1")
     with torch.cuda.device(0):
