@@ -297,7 +297,8 @@ def weight_only_batched_mm_experts_forward(self, hidden_states, top_k_index, top
 
 
 def reads_only_chosen_experts(num_pairs: int, num_experts: int, hidden_states: torch.Tensor) -> bool:
-    """Whether multiplying by the chosen experts' rows beats dequantising every expert (shapes and device only)."""
+    """Whether multiplying by the chosen experts' rows beats dequantising every expert (from shapes, the device and
+    whether a gradient is needed: never from device values)."""
     if fused_kernel_takes(hidden_states):
         return num_pairs <= FUSED_MAX_PAIRS_PER_WEIGHT * num_experts
     # The torch gather copies and casts every pair's rows: worth it only while there are fewer pairs than experts.
