@@ -72,10 +72,10 @@ class KimiVLStaticGenerationMixin:
         return super().generate(*request.args[1:], **request.kwargs)
 
     def warm_up_static_generation(self, batch_size: int, prompt_length: int, max_new_tokens: int = 2, **kwargs):
-        """Build the workspace (and, on CUDA, capture the prefill graph and the decode graph of every read bucket up to
-        the capacity) that a text request of this shape will use, so the first real request does not pay for it.
-        `kwargs` go to `generate` (e.g. `max_cache_len`, `cuda_graphs`); image requests of the same token length use
-        the same graphs.
+        """Build the workspace (and, on CUDA, capture the prefill graph, for prompts up to PREFILL_CHUNK_TOKENS, and the
+        decode graph of every read bucket up to the capacity) that a text request of this shape will use, so the first
+        real request does not pay for it. `kwargs` go to `generate` (e.g. `max_cache_len`, `cuda_graphs`); image
+        requests of the same token length use the same graphs.
 
         Only one workspace is warmed: the one of capacity `prompt_length + max_new_tokens` rounded up to
         CACHE_SLOT_GRANULE slots, unless `max_cache_len` fixes the capacity. A later request whose length rounds up
