@@ -6,7 +6,9 @@ picked with a device-side index takes a gather (a copy of the chosen experts), a
 that size) and a batched matmul over the cast copy: more bytes than bf16 weights, not half. Here each program reads
 one block of its expert's output rows once, int8 (or int4, two per byte) plus one scale per row (per group for int4),
 multiplies in float32 and writes its slice of the output. Nothing else is read, nothing is allocated but the output,
-and the launch depends only on shapes, so the static path captures it in CUDA graphs.
+and the launch depends only on shapes, so the static path captures it in CUDA graphs. Triton compiles the kernel at
+its first launch for each specialisation (dtypes, scheme, a layer's sizes); a capture must not compile, and none does:
+the static path runs every step eagerly once before capturing it (`static_steps_kimi_vl.StaticStep`).
 
 It is a matrix-vector kernel (no tensor cores), meant for the few rows of decode: the caller keeps prefill-sized inputs
 on the dequantise-then-matmul path (`quantization_kimi_vl.FUSED_MAX_PAIRS_PER_WEIGHT`). The launch puts pairs on the
@@ -17,7 +19,7 @@ Triton is optional (CUDA builds of torch bring it). The kernel runs on CUDA tens
 interpreter (`TRITON_INTERPRET=1` set before import), which is how the tests check it without a GPU.
 """
 
-import os
+import contextlib
 
 import torch
 from transformers.utils.import_utils import is_triton_available
@@ -30,6 +32,7 @@ BLOCK_COLS = 128
 if is_triton_available():
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     @triton.jit
     def _weight_only_rows_kernel(
@@ -86,12 +89,10 @@ if is_triton_available():
         out_row = out_ptr + pair.to(tl.int64) * out_features
         tl.store(out_row + rows, accumulator.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-    # Triton chooses its interpreter when a kernel is defined, from TRITON_INTERPRET (read through `triton.knobs` since
-    # Triton 3.4; earlier releases, which torch>=2.6 may bring, compare the variable with "1"). Interpreted, the kernel
-    # runs on CPU tensors, and only there.
-    _knobs = getattr(triton, "knobs", None)
-    _interpreted = _knobs.runtime.interpret if _knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
-    KERNEL_DEVICE_TYPES = ("cpu",) if _interpreted else ("cuda",)
+    # `triton.jit` chose when it made the kernel: under the interpreter (TRITON_INTERPRET=1) it runs on CPU tensors,
+    # and only there. Asked of the kernel itself, which every Triton release answers the same way (`triton.knobs`,
+    # which holds the setting, is 3.4's: torch 2.6 and 2.7 bring 3.2 and 3.3).
+    KERNEL_DEVICE_TYPES = ("cpu",) if isinstance(_weight_only_rows_kernel, InterpretedFunction) else ("cuda",)
 else:
     KERNEL_DEVICE_TYPES = ()
 
@@ -127,18 +128,22 @@ def weight_only_rows_matmul(
     if num_pairs == 0:
         return out
     grid = (num_pairs, triton.cdiv(out_features, BLOCK_ROWS))
-    _weight_only_rows_kernel[grid](
-        inputs.contiguous(),
-        qweight.contiguous(),
-        scale.contiguous(),
-        expert_ids.contiguous(),
-        out,
-        out_features,
-        in_features,
-        pairs_per_input_row,
-        group_size or 0,
-        INT4=int4,
-        BLOCK_ROWS=BLOCK_ROWS,
-        BLOCK_COLS=BLOCK_COLS,
-    )
+    # Triton launches on the current CUDA device's current stream, not on the tensors' device: a model spread over
+    # GPUs (device_map) runs layers on other devices than the current one.
+    on_inputs_device = torch.cuda.device(inputs.device) if inputs.device.type == "cuda" else contextlib.nullcontext()
+    with on_inputs_device:
+        _weight_only_rows_kernel[grid](
+            inputs.contiguous(),
+            qweight.contiguous(),
+            scale.contiguous(),
+            expert_ids.contiguous(),
+            out,
+            out_features,
+            in_features,
+            pairs_per_input_row,
+            group_size or 0,
+            INT4=int4,
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_COLS=BLOCK_COLS,
+        )
     return out

@@ -22,6 +22,7 @@ never runs inside a capture (under encoder data parallelism, ranks see different
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -71,10 +72,10 @@ class KimiVLStaticGenerationMixin:
         return super().generate(*request.args[1:], **request.kwargs)
 
     def warm_up_static_generation(self, batch_size: int, prompt_length: int, max_new_tokens: int = 2, **kwargs):
-        """Build the workspace (and, on CUDA, capture the prefill graph and the decode graph of every read bucket up to
-        the capacity) that a text request of this shape will use, so the first real request does not pay for it.
-        `kwargs` go to `generate` (e.g. `max_cache_len`, `cuda_graphs`); image requests of the same token length use
-        the same graphs.
+        """Build the workspace (and, on CUDA, capture the prefill graph, for prompts up to PREFILL_CHUNK_TOKENS, and the
+        decode graph of every read bucket up to the capacity) that a text request of this shape will use, so the first
+        real request does not pay for it. `kwargs` go to `generate` (e.g. `max_cache_len`, `cuda_graphs`); image
+        requests of the same token length use the same graphs.
 
         Only one workspace is warmed: the one of capacity `prompt_length + max_new_tokens` rounded up to
         CACHE_SLOT_GRANULE slots, unless `max_cache_len` fixes the capacity. A later request whose length rounds up
@@ -108,6 +109,12 @@ class KimiVLStaticGenerationMixin:
         text_config = self.language_model.config
         if self.language_model.device.type != "cuda":
             return f"CUDA graphs need a CUDA device; the language model is on {self.language_model.device}."
+        devices = sorted({str(parameter.device) for parameter in self.language_model.parameters()})
+        if len(devices) > 1:
+            return (
+                f"a CUDA graph captures the work of one device, and the language model is spread over {devices} "
+                f"(device_map); load it onto one device for CUDA graphs."
+            )
         if text_config._experts_implementation not in CAPTURABLE_EXPERTS_IMPLEMENTATIONS:
             return (
                 f"experts_implementation={text_config._experts_implementation!r} routes tokens with data-dependent "
@@ -167,7 +174,10 @@ class KimiVLStaticGenerationMixin:
         image_inputs = {"pixel_values": pixel_values, "image_grid_hws": image_grid_hws}
         image_inputs = {name: None if value is None else value.to(self.device) for name, value in image_inputs.items()}
         state = self._static_generation_state()
-        with state.lock:  # static requests on one model share the workspaces' buffers: one at a time
+        # Graphs are captured and replayed on the current CUDA device's streams: make it the model's, which need not be
+        # the current one (device_map="cuda:1").
+        on_model_device = torch.cuda.device(self.language_model.device) if use_graphs else contextlib.nullcontext()
+        with state.lock, on_model_device:  # static requests on one model share the workspaces' buffers: one at a time
             workspace = state.workspace(self, batch_size, num_slots, use_graphs)
             inputs_embeds = self.embed_inputs(input_ids.to(self.device), **image_inputs)
             first_logits = workspace.prefill(

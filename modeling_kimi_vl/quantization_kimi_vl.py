@@ -32,10 +32,11 @@ the tokens chose: on CUDA through a Triton kernel that reads them as stored and 
 (`fused_experts_kimi_vl.py`, so decode reads the int8 bytes once: about half of bf16), elsewhere by gathering the
 chosen rows and casting them before a batched matmul. Larger inputs (prefill, where nearly every expert is hit anyway)
 dequantise all experts once and run transformers' grouped matmul; the torch gather is kept while there are fewer pairs
-than experts. The choice depends on shapes and the device alone, never on device values, so a captured step always
-takes the same branch, and no branch syncs with the host: the static path captures them all in CUDA graphs. `eager`
-loops over the hit experts. Linear layers use the same kernel for decode-sized inputs on CUDA (one "expert" that every
-row chose); larger inputs dequantize and run a dense matmul (on CPU, int8 runs torch's `_weight_int8pack_mm`).
+than experts. The choice depends on shapes, the device and whether the inputs need a gradient (the kernel has no
+backward), never on device values, so a captured step always takes the same branch, and no branch syncs with the host:
+the static path captures them all in CUDA graphs. `eager` loops over the hit experts. Linear layers use the same
+kernel for decode-sized inputs on CUDA (one "expert" that every row chose); larger inputs dequantize and run a dense
+matmul (on CPU, int8 runs torch's `_weight_int8pack_mm`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class Int8Scheme:
 
     def linear(self, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if inputs.device.type != "cpu":
-            # torch's CUDA `_weight_int8pack_mm` is one untiled thread per output (uncoalesced weight reads): for
-            # inputs too large for the fused kernel, dequantizing once and using cuBLAS is far faster.
+            # torch's CUDA `_weight_int8pack_mm` is one untiled thread per output (uncoalesced weight reads), so for
+            # inputs too large for the fused kernel the weight is dequantized once for a cuBLAS matmul (a choice made
+            # from the kernels' structure: not measured yet, see README "Quantization").
             return F.linear(inputs, self.dequantize(qweight, scale, inputs.dtype))
         # The CPU kernel reads the int8 weight and scales the output; it takes 2-D inputs.
         flat = inputs.reshape(-1, inputs.shape[-1])
@@ -247,7 +249,7 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.reshape(-1, inputs.shape[-1])
-        if fused_kernel_runs_on(rows.device) and rows.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
+        if fused_kernel_takes(rows) and rows.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
             # Decode: read the stored weight once, as one "expert" that every row chose.
             only_weight = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
             out = weight_only_rows_matmul(
@@ -260,12 +262,18 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
 
+def fused_kernel_takes(inputs: torch.Tensor) -> bool:
+    """Whether the fused kernel multiplies these inputs: on a device it runs on, unless they need a gradient (it has no
+    backward; the torch paths have, so a loss still reaches what feeds the quantized layers)."""
+    return fused_kernel_runs_on(inputs.device) and not (inputs.requires_grad and torch.is_grad_enabled())
+
+
 def chosen_experts_matmul(
     scheme, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, repeats: int
 ) -> torch.Tensor:
     """Pair p multiplies input row `p // repeats` by the quantized expert `expert_ids[p]`; only chosen experts are
     read. `[pairs, out]`."""
-    if fused_kernel_runs_on(inputs.device):
+    if fused_kernel_takes(inputs):
         return weight_only_rows_matmul(inputs, qweight, scale, expert_ids, repeats, scheme.group_size)
     rows = inputs.repeat_interleave(repeats, dim=0) if repeats > 1 else inputs
     return scheme.expert_matmul(rows, qweight[expert_ids], scale[expert_ids])
@@ -288,9 +296,10 @@ def weight_only_batched_mm_experts_forward(self, hidden_states, top_k_index, top
     return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
 
-def reads_only_chosen_experts(num_pairs: int, num_experts: int, device: torch.device) -> bool:
-    """Whether multiplying by the chosen experts' rows beats dequantising every expert (shapes and device only)."""
-    if fused_kernel_runs_on(device):
+def reads_only_chosen_experts(num_pairs: int, num_experts: int, hidden_states: torch.Tensor) -> bool:
+    """Whether multiplying by the chosen experts' rows beats dequantising every expert (from shapes, the device and
+    whether a gradient is needed: never from device values)."""
+    if fused_kernel_takes(hidden_states):
         return num_pairs <= FUSED_MAX_PAIRS_PER_WEIGHT * num_experts
     # The torch gather copies and casts every pair's rows: worth it only while there are fewer pairs than experts.
     return num_pairs < num_experts
@@ -299,7 +308,7 @@ def reads_only_chosen_experts(num_pairs: int, num_experts: int, device: torch.de
 def weight_only_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """Pairs sorted by expert, one grouped matmul per projection over the dequantized experts (prefill). Decode-sized
     inputs take the chosen-experts path instead (`reads_only_chosen_experts`)."""
-    if reads_only_chosen_experts(top_k_index.numel(), self.num_experts, hidden_states.device):
+    if reads_only_chosen_experts(top_k_index.numel(), self.num_experts, hidden_states):
         return weight_only_batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     dtype = hidden_states.dtype
     num_tokens, hidden_dim = hidden_states.shape

@@ -32,6 +32,7 @@ capture (or replay) the same graphs in the same order: the sequence of collectiv
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import OrderedDict
@@ -88,6 +89,14 @@ def prompt_bucket(length: int) -> int:
     return round_up(length, 256)
 
 
+@functools.cache
+def capture_stream(device_index: int) -> torch.cuda.Stream:
+    """The side stream of every capture on one CUDA device. `torch.cuda.graph`'s default is one stream per process,
+    made on whichever device captured first: a capture for a model on another device would switch to that device and
+    record none of the model's work. One stream per device also lets the captures share the pool's memory."""
+    return torch.cuda.Stream(device_index)
+
+
 class StaticStep:
     """`forward()` reads only persistent buffers and returns a tensor. With a graph pool it is captured on its first
     call (after one eager warm-up run, which settles lazy allocations and kernel selection outside the capture) and
@@ -111,7 +120,7 @@ class StaticStep:
             self.forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            with torch.cuda.graph(graph, pool=self.graph_pool, stream=capture_stream(torch.cuda.current_device())):
                 self.output = self.forward()
             self.graph = graph
         self.graph.replay()

@@ -29,14 +29,17 @@ SCHEMES = {"int8": Int8Scheme(), "int4": Int4Scheme(16)}
 TINY_GROUP_SIZE = 16
 NEW_TOKENS = 6
 # (scheme, experts, out_features, in_features, input rows, pairs per input row, dtype): sizes that are not multiples of
-# the kernel's blocks, rows shared by several pairs (the experts' gate_up) or not (down), and the bf16 compute dtype.
+# the kernel's blocks, rows shared by several pairs (the experts' gate_up) or not (down), and the bf16 and fp16 compute
+# dtypes.
 KERNEL_CASES = {
     "int8_shared_rows": ("int8", 5, 70, 96, 3, 2, torch.float32),
     "int8_one_row_each": ("int8", 4, 33, 300, 4, 1, torch.float32),
     "int8_bf16": ("int8", 3, 64, 128, 2, 3, torch.bfloat16),
+    "int8_fp16": ("int8", 3, 40, 200, 2, 3, torch.float16),
     "int4_shared_rows": ("int4", 5, 70, 96, 3, 2, torch.float32),
     "int4_one_row_each": ("int4", 4, 33, 320, 4, 1, torch.float32),
     "int4_bf16": ("int4", 3, 64, 128, 2, 3, torch.bfloat16),
+    "int4_fp16": ("int4", 3, 40, 288, 2, 3, torch.float16),
 }
 
 

@@ -688,6 +688,27 @@ def test_cuda_static_generation_takes_a_prompt_on_the_cpu_as_plain_generate_does
         assert torch.equal(static, on_the_model.cpu())
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_graphs_of_a_model_off_the_current_device_and_none_for_a_split_model(reference_checkpoint):
+    """A model on cuda:1 while cuda:0 is current captures and replays on cuda:1 (after a capture on cuda:0 in the same
+    process); cuda_graphs=True is refused for a language model spread over both devices."""
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID, cache_implementation="static")
+    request = batched_multi_image_request("cpu")
+    on_first = KimiVLForConditionalGeneration.from_pretrained(reference_checkpoint, experts_implementation="batched_mm")
+    on_first = on_first.to("cuda:0").eval()
+    plain = on_first.generate(**batched_multi_image_request("cuda:0"), max_new_tokens=12, do_sample=False,
+                              pad_token_id=PAD_ID).cpu()  # fmt: skip
+    assert torch.equal(on_first.generate(**request, **settings, cuda_graphs=True), plain)
+    on_second = copy.deepcopy(on_first).to("cuda:1")
+    with torch.cuda.device(0):
+        first = on_second.generate(**request, **settings, cuda_graphs=True)
+        replayed = on_second.generate(**request, **settings, cuda_graphs=True)
+    assert torch.equal(first, plain) and torch.equal(replayed, plain)
+    on_second.language_model.model.layers[-1].to("cuda:0")  # now spread over both devices
+    with pytest.raises(ValueError, match="spread over"):
+        on_second.generate(**request, **settings, cuda_graphs=True)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_of_every_read_bucket_equal_eager_steps(reference_checkpoint, expected, dtype, monkeypatch):

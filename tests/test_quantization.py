@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import DistributedConfig
 
-from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig
+from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig, quantization_kimi_vl
 from modeling_kimi_vl.quantization_kimi_vl import WeightOnlyExperts, WeightOnlyLinear
 from modeling_kimi_vl.transformers_compat_modeling import QUANTIZATION_MIN_TRANSFORMERS_VERSION, quantization_supported
 
@@ -232,6 +232,35 @@ def test_quantized_experts_do_not_read_device_tensors_back_to_the_host(
         finally:
             inside.clear()
             monkeypatch.undo()
+
+
+class FusedKernelLaunched(Exception):
+    """Raised where the fused kernel would be launched (it cannot run on the CPU of this process)."""
+
+
+@pytest.mark.parametrize("experts_implementation", ["batched_mm", "grouped_mm"])
+def test_inputs_that_need_a_gradient_bypass_the_fused_kernel(reference_checkpoint, monkeypatch, experts_implementation):
+    """The fused kernel has no backward. Where it runs, decode-sized inputs that need a gradient take the torch path,
+    so a loss reaches what feeds the quantized layers; the same inputs without a gradient go to the kernel. (int4: its
+    torch path is differentiable on CPU too; int8 linears run `_weight_int8pack_mm` there, which has no backward.)"""
+    model = load_quantized(reference_checkpoint, "int4", experts_implementation=experts_implementation)
+    layer = model.language_model.model.layers[-1]
+    assert isinstance(layer.mlp.experts, WeightOnlyExperts) and isinstance(layer.mlp.shared_experts.up_proj,
+                                                                           WeightOnlyLinear)  # fmt: skip
+
+    def launch(*args):
+        raise FusedKernelLaunched
+
+    monkeypatch.setattr(quantization_kimi_vl, "fused_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(quantization_kimi_vl, "weight_only_rows_matmul", launch)
+    hidden_states = torch.randn(2, 1, model.config.text_config.hidden_size, requires_grad=True)
+    layer.mlp(hidden_states).square().sum().backward()
+    assert hidden_states.grad is not None and hidden_states.grad.abs().sum() > 0
+    with torch.no_grad():
+        with pytest.raises(FusedKernelLaunched):
+            layer.mlp(hidden_states)  # the routed experts run first
+        with pytest.raises(FusedKernelLaunched):
+            layer.mlp.shared_experts.up_proj(hidden_states)
 
 
 @pytest.mark.parametrize("experts_implementation", ["batched_mm", "grouped_mm"])
