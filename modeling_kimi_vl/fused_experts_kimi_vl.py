@@ -17,6 +17,7 @@ Triton is optional (CUDA builds of torch bring it). The kernel runs on CUDA tens
 interpreter (`TRITON_INTERPRET=1` set before import), which is how the tests check it without a GPU.
 """
 
+import contextlib
 import os
 
 import torch
@@ -131,18 +132,21 @@ def weight_only_rows_matmul(
     if num_pairs == 0:
         return out
     grid = (num_pairs, triton.cdiv(out_features, BLOCK_ROWS))
-    _weight_only_rows_kernel[grid](
-        inputs.contiguous(),
-        qweight.contiguous(),
-        scale.contiguous(),
-        expert_ids.contiguous(),
-        out,
-        out_features,
-        in_features,
-        pairs_per_input_row,
-        group_size or 0,
-        INT4=int4,
-        BLOCK_ROWS=BLOCK_ROWS,
-        BLOCK_COLS=BLOCK_COLS,
-    )
+    # Triton launches on the current CUDA device: make it the tensors' (a model split over GPUs by device_map).
+    on_device = torch.cuda.device(inputs.device) if inputs.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _weight_only_rows_kernel[grid](
+            inputs.contiguous(),
+            qweight.contiguous(),
+            scale.contiguous(),
+            expert_ids.contiguous(),
+            out,
+            out_features,
+            in_features,
+            pairs_per_input_row,
+            group_size or 0,
+            INT4=int4,
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_COLS=BLOCK_COLS,
+        )
     return out
