@@ -55,7 +55,9 @@ if is_triton_available():
         expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
         weight_rows = expert * out_features + rows.to(tl.int64)  # row index into [experts * out_features, ...]
         inputs_row = inputs_ptr + (pair // pairs_per_input_row).to(tl.int64) * in_features
-        accumulator = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        # Products are summed per tile position and reduced across the tile once, after the loop (a reduction per
+        # step would shuffle between threads at every step).
+        products = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
         if INT4:
             stored_columns = in_features // 2
             groups = in_features // group_size
@@ -75,7 +77,8 @@ if is_triton_available():
                     mask=mask,
                     other=0.0,
                 ).to(tl.float32)
-                accumulator += tl.sum((low * even[None, :] + high * odd[None, :]) * scale, axis=1)
+                products += (low * even[None, :] + high * odd[None, :]) * scale
+            accumulator = tl.sum(products, axis=1)
         else:
             for start in range(0, in_features, BLOCK_COLS):
                 columns = start + tl.arange(0, BLOCK_COLS)
@@ -83,9 +86,10 @@ if is_triton_available():
                 mask = row_mask[:, None] & column_mask[None, :]
                 weight = tl.load(weight_ptr + weight_rows[:, None] * in_features + columns[None, :], mask=mask, other=0)
                 values = tl.load(inputs_row + columns, mask=column_mask, other=0.0).to(tl.float32)
-                accumulator += tl.sum(weight.to(tl.float32) * values[None, :], axis=1)
+                products += weight.to(tl.float32) * values[None, :]
             # One scale per output row factors out of the dot product.
-            accumulator *= tl.load(scale_ptr + weight_rows, mask=row_mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + weight_rows, mask=row_mask, other=0.0).to(tl.float32)
+            accumulator = tl.sum(products, axis=1) * scale
         out_row = out_ptr + pair.to(tl.int64) * out_features
         tl.store(out_row + rows, accumulator.to(out_ptr.dtype.element_ty), mask=row_mask)
 

@@ -148,13 +148,25 @@ def test_workspace_is_reused_across_calls_and_after_warm_up(model, expected):
     assert same_objects(step_identities(workspaces[1, 256]), steps), "the warmed-up steps must be reused, not rebuilt"
 
 
-def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, expected, monkeypatch):
-    request = fixture_request(expected)  # 57 tokens: prompt bucket 64; + 40 new -> 256 slots
-    masks, read = [], []
+def fixture_tokens_and_first_layer_masks(model, expected) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """3 static greedy tokens on the fixture's prompt in a 256-slot cache, and the shape of every attention mask the
+    first layer was given."""
+    masks = []
     attention = model.language_model.model.layers[0].self_attn
     hook = attention.register_forward_pre_hook(
         lambda module, args, kwargs: masks.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
     )
+    try:
+        output = model.generate(**fixture_request(expected), max_new_tokens=3, do_sample=False,
+                                cache_implementation="static", max_cache_len=256)  # fmt: skip
+    finally:
+        hook.remove()
+    return output, masks
+
+
+def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, expected, monkeypatch):
+    # The fixture's prompt is 57 tokens: prompt bucket 64.
+    read = []
     update = StaticLatentLayer.update
 
     def recording_update(self, *args, **kwargs):
@@ -163,11 +175,7 @@ def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, 
         return keys, values
 
     monkeypatch.setattr(StaticLatentLayer, "update", recording_update)
-    try:
-        output = model.generate(**request, max_new_tokens=3, do_sample=False, cache_implementation="static",
-                                max_cache_len=256)  # fmt: skip
-    finally:
-        hook.remove()
+    output, masks = fixture_tokens_and_first_layer_masks(model, expected)
     assert torch.equal(output, expected["mm_generated"][:, : 57 + 3])
     assert masks == [(1, 1, 64, 64), (1, 1, 1, 256), (1, 1, 1, 256)]
     num_layers = model.config.text_config.num_hidden_layers
@@ -176,17 +184,7 @@ def test_prefill_reads_only_the_prompt_bucket_and_decode_the_whole_cache(model, 
 
 def test_long_prompts_are_prefilled_in_chunks_that_read_the_slots_filled_so_far(model, expected, monkeypatch):
     monkeypatch.setattr("modeling_kimi_vl.static_steps_kimi_vl.PREFILL_CHUNK_TOKENS", 16)
-    request = fixture_request(expected)  # 57 tokens: chunks of 16, 16, 16 and 9
-    masks = []
-    attention = model.language_model.model.layers[0].self_attn
-    hook = attention.register_forward_pre_hook(
-        lambda module, args, kwargs: masks.append(tuple(kwargs["attention_mask"].shape)), with_kwargs=True
-    )
-    try:
-        output = model.generate(**request, max_new_tokens=3, do_sample=False, cache_implementation="static",
-                                max_cache_len=256)  # fmt: skip
-    finally:
-        hook.remove()
+    output, masks = fixture_tokens_and_first_layer_masks(model, expected)  # 57 prompt tokens: chunks 16, 16, 16, 9
     assert torch.equal(output, expected["mm_generated"][:, : 57 + 3])
     assert masks == [(1, 1, 16, 16), (1, 1, 16, 32), (1, 1, 16, 48), (1, 1, 9, 57), (1, 1, 1, 256), (1, 1, 1, 256)]
     (workspace,) = model._static_generation_state().workspaces.values()
