@@ -118,6 +118,11 @@ def load_model(
     return PeftModel.from_pretrained(model, path).merge_and_unload()
 
 
+def weights_source(path: Path) -> Path | str:
+    """Where `load_model` reads the model's weights and config: the folder itself, or a LoRA adapter's base model."""
+    return adapter_base_model(path) if (path / ADAPTER_CONFIG).is_file() else path
+
+
 def adapter_base_model(folder: Path) -> str:
     """The hub id or folder of the model a LoRA adapter folder was trained on (peft's `base_model_name_or_path`)."""
     try:

@@ -18,9 +18,10 @@ import torch
 from transformers import StoppingCriteriaList, TextIteratorStreamer
 
 from image_processing import SANITIZING_SUPPORTED, KimiVLProcessor
+from modeling_kimi_vl import KimiVLConfig
 
 from . import log
-from .checkpoints import Checkpoint, load_model
+from .checkpoints import Checkpoint, load_model, weights_source
 from .conversation import PreparedImage, awaits_answer, model_conversation, notice
 from .inputs import InputError, InputLimits, check_context, check_image, load_image
 from .stats import GenerationMonitor, ImageInfo, answer_status, format_stats
@@ -78,19 +79,21 @@ class ChatEngine:
         self.limits = limits
         # True: the end-of-turn token is never chosen, so every answer runs until Stop or the max new tokens setting.
         self.ignore_eos = ignore_eos
-        log(f"loading the processor from {checkpoint.path}")
-        self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
-        log(f"loading {checkpoint.name} onto {device} in {dtype}" + (f", {quantize} weights" if quantize else ""))
-        self.model = load_model(checkpoint.path, dtype, device, quantize)
-        self.model.eval()
         # The longest conversation (prompt plus new tokens) accepted; on CUDA also the static cache's capacity, whose
         # MLA latent is allocated in full (about 31 KB per token for Kimi-VL-A3B in bf16: 4 GB for its 128K context).
-        model_context = self.model.config.text_config.max_position_embeddings
+        # Checked from the config, before minutes of loading weights.
+        config = KimiVLConfig.from_pretrained(weights_source(checkpoint.path))
+        model_context = config.text_config.max_position_embeddings
         if max_context is not None and not 0 < max_context <= model_context:
             raise SystemExit(
                 f"--max-context {max_context} is not between 1 and the model's context of {model_context} tokens."
             )
         self.context_length = model_context if max_context is None else max_context
+        log(f"loading the processor from {checkpoint.path}")
+        self.processor = KimiVLProcessor.from_pretrained(checkpoint.path)
+        log(f"loading {checkpoint.name} onto {device} in {dtype}" + (f", {quantize} weights" if quantize else ""))
+        self.model = load_model(checkpoint.path, dtype, device, quantize)
+        self.model.eval()
         self.end_of_turn_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.image_placeholder_id = self.model.config.media_placeholder_token_id
         pad_token_id = self.processor.tokenizer.pad_token_id

@@ -370,10 +370,12 @@ def test_max_context_on_the_command_line_must_be_positive(value, capsys):
     assert f"--max-context must be a positive number of tokens, got {value}" in capsys.readouterr().err
 
 
-def test_max_context_bounds_the_conversation_and_cannot_exceed_the_model(engine, tmp_path):
+def test_max_context_bounds_the_conversation_and_cannot_exceed_the_model(engine, tmp_path, monkeypatch):
     checkpoint = engine.checkpoint
-    with pytest.raises(SystemExit, match="--max-context 2048 is not between 1 and the model's context of 1024 tokens"):
-        ChatEngine(checkpoint, "cpu", torch.float32, LIMITS, max_context=2048)
+    with monkeypatch.context() as refused_before_loading:
+        refused_before_loading.setattr("kimi_vl_demo.engine.load_model", lambda *args: pytest.fail("model loaded"))
+        with pytest.raises(SystemExit, match="--max-context 2048 is not between 1 and the model's context of 1024"):
+            ChatEngine(checkpoint, "cpu", torch.float32, LIMITS, max_context=2048)
     smaller = ChatEngine(checkpoint, "cpu", torch.float32, LIMITS, max_context=256)
     assert smaller.context_length == 256
     history = [user("four images", *large_pngs(tmp_path, "a", 4))]  # 4 x 64 image tokens: fits 1024, not 256
