@@ -37,7 +37,7 @@ ROUTED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROJECTOR = "multi_modal_projector"
 VISION_TOWER = "vision_tower"
 MERGED_FOLDER = "merged"
-IMAGE_CACHE_FOLDER = "image_cache"  # in --output: the bytes of the data's image URLs, fetched once per run
+IMAGE_CACHE_FOLDER = "image_cache"  # in --output: the bytes of the data's image URLs, fetched once
 DEFAULT_IMAGE_CACHE_SIZE = "10GB"
 DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 1e-5}
 DEFAULT_LORA_RANK = 16
@@ -214,7 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--image-cache-size",
         default=DEFAULT_IMAGE_CACHE_SIZE,
         help=f"most disk space for the fetched bytes of image URLs, kept in OUTPUT/{IMAGE_CACHE_FOLDER}/ so that each "
-        f"is fetched once per run; the least recently used go past it (default {DEFAULT_IMAGE_CACHE_SIZE})",
+        "is fetched once (also across runs into the same --output); the least recently used go past it "
+        f"(default {DEFAULT_IMAGE_CACHE_SIZE})",
     )
     args = parser.parse_args(argv)
     given_lora_options = [option.option_strings[0] for option in lora_options if getattr(args, option.dest) is not None]
