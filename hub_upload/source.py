@@ -7,6 +7,7 @@ and nothing has been written when the error is raised.
 """
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,11 +245,35 @@ def _check_quantization_config(config: dict, problems: list[str]) -> tuple[bool,
     if quant_method != QUANT_METHOD:
         problems.append(f"{CONFIG_NAME}'s quantization_config has quant_method {quant_method!r}: {exportable}")
         return False, None
+    pattern_problems = _module_pattern_problems(quantization.get("modules_to_not_convert"))
+    if pattern_problems:
+        problems.extend(pattern_problems)
+        return False, None
     try:
         return True, KimiVLWeightOnlyConfig.from_dict(quantization)
     except (ValueError, TypeError) as error:
         problems.append(f"{CONFIG_NAME}'s quantization_config is not a valid {QUANT_METHOD} config: {error}")
         return False, None
+
+
+def _module_pattern_problems(modules) -> list[str]:
+    """Why a quantization_config's `modules_to_not_convert` (None: the default list) cannot be matched against module
+    names as transformers matches them (each entry a prefix, regex or suffix). Checked here because the config class
+    takes any iterable (a string becomes its characters) and a bad regex fails only when a module is matched."""
+    if modules is None:
+        return []
+    name = f"{CONFIG_NAME}'s quantization_config's modules_to_not_convert"
+    problems = []
+    if not isinstance(modules, list) or not all(isinstance(module, str) for module in modules):
+        problems.append(f"{name} must be a list of module names (strings), got {modules!r}")
+    for pattern in modules if isinstance(modules, list) else ():
+        if not isinstance(pattern, str):
+            continue
+        try:
+            re.compile(f"(?:{pattern})")  # as transformers' should_convert_module uses it
+        except re.error as error:
+            problems.append(f"{name}: {pattern!r} is not a valid regular expression ({error})")
+    return problems
 
 
 def expected_checkpoint_tensors(

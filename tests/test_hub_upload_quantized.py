@@ -237,6 +237,22 @@ BAD_QUANTIZED_SOURCES = {
         ["not a valid kimi_vl_weight_only config: Unsupported weight-only quantization scheme 'int3'"],
         "tensor",
     ),
+    "modules_to_not_convert not a list": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"].update(modules_to_not_convert="vision_tower")),
+        ["quantization_config's modules_to_not_convert must be a list of module names (strings), got 'vision_tower'"],
+        "tensor",
+    ),
+    "modules_to_not_convert with a bad pattern": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"].update(modules_to_not_convert=["vision_tower", "[", 7])),
+        [
+            "quantization_config's modules_to_not_convert must be a list of module names (strings), got "
+            "['vision_tower', '[', 7]",
+            "'[' is not a valid regular expression",
+        ],
+        "tensor",
+    ),
     "group size that does not divide the layers": (
         "int4",
         _edit_config(lambda c: c["quantization_config"].update(group_size=48)),
