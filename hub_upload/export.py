@@ -19,12 +19,14 @@ holds its lock (a `filelock.FileLock` on the lock file, which the system release
 ends). Each export takes that lock before it creates its temp folder, so another export's clean-up never finds a
 running export's folder unlocked. (A process killed in the instant between taking the lock and creating the folder,
 or between removing the folder and its lock file, leaves the empty lock file alone: no export can tell it from the lock
-file of an export that is just starting, so none deletes it.) Aside folders are settled: if the target exists, the
+file of an export that is just starting, so none deletes it; so does an export on Windows whose lock file another
+export's clean-up had open when it tried to delete it.) Aside folders are settled: if the target exists, the
 aside folder was already replaced and is deleted; if the target is missing, the old folder goes back into place when
 it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named in a warning (until
 a later export, with the target then in place, deletes it as above).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -246,9 +248,12 @@ def _create_staging(out: Path) -> tuple[Path, FileLock]:
 
 def _release_and_remove(lock: FileLock) -> None:
     """Release a temp folder's lock and delete its file (filelock keeps the file on Unix, for other waiters; nobody
-    waits for a temp folder's lock), once the folder is gone."""
+    waits for a temp folder's lock), once the folder is gone. A lock file that cannot be deleted stays, empty: Windows
+    refuses while another export's clean-up has it open, and the export (published, or failing with its own error)
+    must not fail on it."""
     lock.release()
-    Path(lock.lock_file).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        Path(lock.lock_file).unlink(missing_ok=True)
 
 
 def _remove_abandoned_staging(out: Path) -> None:

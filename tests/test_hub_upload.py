@@ -391,6 +391,23 @@ def test_a_temp_folder_is_locked_from_the_moment_it_exists(source, tmp_path, mon
     assert cleaned_up_after and check_export_folder(out) == [] and leftovers(tmp_path) == []
 
 
+def test_a_lock_file_that_cannot_be_deleted_does_not_fail_the_export(source, tmp_path, monkeypatch):
+    """Windows refuses to delete a file another process has open, as a concurrent export's clean-up may have the lock
+    file while it tries the lock: the export is published all the same, and only the empty lock file stays."""
+    unlink = Path.unlink
+
+    def refuse_lock_files(path, *args, **kwargs):
+        if path.name.endswith(".lock"):
+            raise PermissionError(13, "The process cannot access the file because it is being used", str(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refuse_lock_files)
+    export_checkpoint(source, tmp_path / "out", verify=False)
+    assert check_export_folder(tmp_path / "out") == []
+    [lock_file] = leftovers(tmp_path)
+    assert re.fullmatch(r"\.out\.partial-[0-9a-f]{8}\.lock", lock_file)
+
+
 def test_reexport_is_idempotent(exported, tmp_path):
     again = tmp_path / "again"
     export_checkpoint(exported, again, verify=False)
