@@ -331,17 +331,23 @@ def _check_tensors_against_model(
         ],
         "tensor {}",
     )
-    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`.
+    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`,
+    # expected by the config or found in the checkpoint (quantized where the config keeps the model dtype).
     in_layout = [
         name
         for name in (*missing, *wrong_shape, *wrong_dtype)
         if expected[name].dtype in SAFETENSORS_INTEGER_DTYPES or name.endswith("_scale")
+    ] + [
+        name
+        for name in (*unexpected, *wrong_dtype)
+        if found[name].dtype in SAFETENSORS_INTEGER_DTYPES.values() or name.endswith("_scale")
     ]
     if quantization is not None and in_layout:
         problems.append(
             f"the quantized tensors above do not fit {CONFIG_NAME}'s quantization_config, {quantization.describe()}; "
             "each weight's scales beside it as <weight>_scale (the routed experts': one gate_up_proj_scale and one "
-            "down_proj_scale per layer)"
+            "down_proj_scale per layer); kept in the model dtype: the modules matching modules_to_not_convert "
+            f"{quantization.modules_to_not_convert}"
         )
 
 

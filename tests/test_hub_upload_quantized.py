@@ -276,6 +276,18 @@ BAD_QUANTIZED_SOURCES = {
         ],
         LM_HEAD + " in",  # the packed weights themselves are right
     ),
+    "quantized weights of a module the config keeps in the model dtype": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"]["modules_to_not_convert"].append("lm_head")),
+        [
+            f"unexpected tensor {LM_HEAD}_scale (the config's model has no such weight)",
+            f"{LM_HEAD} in model.safetensors is I8, the config needs F64 or F32 or F16 or BF16",
+            INT8_LAYOUT,
+            "kept in the model dtype: the modules matching modules_to_not_convert ['vision_tower', "
+            "'multi_modal_projector', 'kv_b_proj', 'lm_head']",
+        ],
+        "missing",
+    ),
     "int4 weight not packed": (
         "int4",
         _edit_weights(lambda t: t.update({EXPERT: torch.zeros(32, 64, dtype=torch.uint8)})),
