@@ -57,6 +57,7 @@ from .source import (
     TOKENIZER_MODEL_NAME,
     ExportInputError,
     SourceCheckpoint,
+    is_plain_file_name,
     read_source,
 )
 from .verify import DEFAULT_VERIFY_TIMEOUT_S, verify_export
@@ -349,8 +350,13 @@ def _weight_problems(folder: Path) -> list[str]:
         weight_map = json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
     except (ValueError, KeyError, TypeError):
         return [f"{INDEX_NAME} has no weight_map"]
+    if not isinstance(weight_map, dict):
+        return [f"{INDEX_NAME} has no weight_map object"]
     if not weight_map:
         return [f"{INDEX_NAME} lists no tensors"]
+    not_file_names = sorted({repr(name) for name in weight_map.values() if not is_plain_file_name(name)})
+    if not_file_names:  # an export's shards sit beside its index; nothing elsewhere is read
+        return [f"{INDEX_NAME} names {name} as a shard, which is not a file name beside it" for name in not_file_names]
     problems = []
     for file_name in sorted(set(weight_map.values())):
         if not (folder / file_name).is_file():

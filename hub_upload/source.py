@@ -392,9 +392,9 @@ def _unsafe_files(folder: Path) -> list[str]:
     problems += [
         f"{INDEX_NAME} names {name} as a shard, which is not a file name in the source folder (shards sit beside "
         "the index)"
-        for name in sorted({repr(name) for name in shard_names if not _is_plain_file_name(name)})
+        for name in sorted({repr(name) for name in shard_names if not is_plain_file_name(name)})
     ]
-    plain = {name for name in shard_names if _is_plain_file_name(name)}
+    plain = {name for name in shard_names if is_plain_file_name(name)}
     return problems + _link_problems(folder, plain - read_names, allowed)
 
 
@@ -423,7 +423,8 @@ def _index_shard_names(index: Path) -> list:
     return list(weight_map.values()) if isinstance(weight_map, dict) else []
 
 
-def _is_plain_file_name(name) -> bool:
+def is_plain_file_name(name) -> bool:
+    """Whether an index's shard name names a file directly in the index's folder (no folder part, not . or ..)."""
     return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 

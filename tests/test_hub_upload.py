@@ -838,6 +838,26 @@ def test_push_dry_run_sends_nothing(exported):
     assert listed["config.json"] == expected_size
 
 
+@pytest.mark.parametrize(
+    "weight_map, problem",
+    [
+        (["model-00001-of-00001.safetensors"], "has no weight_map object"),
+        ({"a.weight": ["model-00001-of-00001.safetensors"]}, "names ['model-00001-of-00001.safetensors'] as a shard"),
+        ({"a.weight": "../model-00001-of-00001.safetensors"}, "names '../model-00001-of-00001.safetensors' as a shard"),
+    ],
+)
+def test_a_folder_whose_index_is_malformed_is_not_an_export(exported, tmp_path, weight_map, problem):
+    """push, and --overwrite of the folder, are refused with the reason (an export's shards sit beside its index)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert any(problem in line for line in check_export_folder(broken)), check_export_folder(broken)
+    with pytest.raises(PushError, match=re.escape(problem)):
+        plan_upload(broken)
+    with pytest.raises(ExportInputError, match="is not a complete export"):
+        export_checkpoint(exported, broken, verify=False, overwrite=True)
+
+
 def test_push_refuses_incomplete_exports(exported, source, tmp_path):
     with pytest.raises(PushError, match="is not a folder"):
         plan_upload(source.parent / "nothing-here")
