@@ -5,8 +5,9 @@
         --gradient-checkpointing [--merge]
     torchrun --nproc_per_node 8 -m examples.finetune ...     # data parallel, one process per GPU
 
-`--output` receives the adapter (peft's format) or the fully fine-tuned model, the processor files, and the Trainer's
-checkpoints (`checkpoint-N/`, resumed with `--resume`); `--merge` also writes `OUTPUT/merged/`: the base model with
+`--output` receives the adapter (peft's format) or the fully fine-tuned model, the processor files, the Trainer's
+checkpoints (`checkpoint-N/`, resumed with `--resume`) and, when the data has image URLs, `image_cache/` (their fetched
+bytes, read again by later runs into the same folder); `--merge` also writes `OUTPUT/merged/`: the base model with
 the adapter folded in, in the original checkpoint layout (per-expert keys), ready for `python -m hub_upload export`.
 """
 
