@@ -362,7 +362,7 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
 
 def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
     running = tmp_path / ".out.partial-abcd1234"
-    lock = export_module._staging_lock(running)
+    lock = export_module._folder_lock(running)
     lock.acquire()  # as the export holding it does, from before the folder exists until it ends
     running.mkdir()
     try:
@@ -691,6 +691,25 @@ def test_publish_names_its_aside_folder_as_the_settling_expects(exported, source
     [aside] = leftovers(tmp_path)
     assert re.fullmatch(r"\.out\.kimi-vl-export-old-[0-9a-f]{8}", aside)
     monkeypatch.undo()
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
+def test_the_aside_folder_of_a_running_publish_is_left_alone(exported, source, tmp_path):
+    """An export whose publish has moved the old target aside and not yet put the new one in place (or is deleting the
+    old one) holds the aside folder's lock: another export into the same target neither moves it back nor deletes it."""
+    out, aside = tmp_path / "out", tmp_path / ".out.kimi-vl-export-old-0123abcd"
+    lock = export_module._folder_lock(aside)
+    lock.acquire()  # as the publishing export does, from before the folder exists until it is gone
+    shutil.copytree(exported, aside / "out")
+    try:
+        export_checkpoint(source, out, verify=False)  # out is missing, as in the middle of that publish
+        assert check_export_folder(out) == [] and check_export_folder(aside / "out") == []
+        export_checkpoint(source, out, verify=False, overwrite=True)  # out is in place, as while the old one is deleted
+        assert check_export_folder(aside / "out") == []
+        assert leftovers(tmp_path) == [aside.name, aside.name + ".lock"]
+    finally:
+        lock.release()
     export_checkpoint(source, out, verify=False, overwrite=True)
     assert leftovers(tmp_path) == []
 
