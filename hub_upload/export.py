@@ -9,23 +9,22 @@
                                --delete-added-files as well) is first moved into an aside folder
                                `.NAME.kimi-vl-export-old-XXXXXXXX` (8 random hex digits) and deleted afterwards
 
-Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the
-new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
+Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the new
+folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
 outright leaves its temp folder `.NAME.partial-XXXXXXXX` (8 random hex digits) with its lock file
 `.NAME.partial-XXXXXXXX.lock` beside it, and one killed or interrupted inside `publish` can leave the old target in its
 aside folder (whole if the new folder was not in place yet, partly deleted if it was; a killed one leaves the aside
-folder's lock file too). The next export to the same
-target cleans up both first, touching no folder of any other name. A temp folder is deleted unless a running export
-holds its lock (a `filelock.FileLock` on the lock file, which the system releases when the process ends, however it
-ends). Each export takes that lock before it creates its temp folder, so another export's clean-up never finds a
-running export's folder unlocked. (A process killed in the instant between taking the lock and creating the folder,
-or between removing the folder and its lock file, leaves the empty lock file alone: no export can tell it from the lock
-file of an export that is just starting, so none deletes it; so does an export on Windows whose lock file another
-export's clean-up had open when it tried to delete it.) Aside folders are locked the same way, from before `publish`
-creates one until it is deleted, and only those whose lock nobody holds are settled: if the target exists, the
-aside folder was already replaced and is deleted; if the target is missing, the old folder goes back into place when
-it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named in a warning (until
-a later export, with the target then in place, deletes it as above).
+folder's lock file too). The next export to the same target cleans up both first, touching no folder of any other name.
+A temp folder is deleted unless a running export holds its lock (a `filelock.FileLock` on the lock file, which the
+system releases when the process ends, however it ends). Each export takes that lock before it creates its temp folder,
+so another export's clean-up never finds a running export's folder unlocked. (A process killed in the instant between
+taking the lock and creating the folder, or between removing the folder and its lock file, leaves an empty lock file
+behind, which every export leaves alone: none can tell it from the lock file of an export that is just starting. So does
+an export on Windows whose lock file another export's clean-up had open when it tried to delete it.) Aside folders are
+locked the same way, from before `publish` creates one until it is deleted, and only those whose lock nobody holds are
+settled: if the target exists, the aside folder was already replaced and is deleted; if the target is missing, the old
+folder goes back into place when it is a complete export (as `check_export_folder` says), and is otherwise left where it
+is, named in a warning (until a later export, with the target then in place, deletes it as above).
 """
 
 import contextlib
