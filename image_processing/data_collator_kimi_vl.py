@@ -44,8 +44,15 @@ class ImageUrlCache:
     def __init__(self, folder: str | Path, max_bytes: int):
         if max_bytes < 1:
             raise ValueError(f"the image cache needs a size of at least 1 byte, got {max_bytes}.")
+        try:
+            from diskcache import Cache  # the `train` extra; the rest of the package needs none
+        except ImportError as error:  # said here, not as the reason every example with a URL is a bad one
+            raise ImportError(
+                'ImageUrlCache needs diskcache, which the `train` extra installs: pip install -e ".[train]"'
+            ) from error
         self.folder = Path(folder)
         self.max_bytes = max_bytes
+        self._cache_class = Cache
 
     def read(self, url: str) -> bytes:
         content = self._cache.get(url)
@@ -59,9 +66,7 @@ class ImageUrlCache:
 
     @functools.cached_property
     def _cache(self) -> Cache:
-        from diskcache import Cache  # the `train` extra (pip install -e ".[train]"); the rest of the package needs none
-
-        return Cache(str(self.folder), size_limit=self.max_bytes, eviction_policy="least-recently-used")
+        return self._cache_class(str(self.folder), size_limit=self.max_bytes, eviction_policy="least-recently-used")
 
 
 def decode_image(content: bytes) -> Image.Image:

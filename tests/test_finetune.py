@@ -5,6 +5,7 @@ import http.server
 import json
 import re
 import shutil
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -227,6 +228,12 @@ def test_a_failed_fetch_is_an_error_naming_the_example_and_is_not_cached(process
     with pytest.raises(ValueError, match=rf"example 1 of the batch: image {re.escape(repr(missing))} could not be"):
         KimiVLDataCollator(processor, image_cache=cache)(batch)
     assert requests == {"/images/missing.png": 2}  # the failure was not kept: asked again, fetched again
+
+
+def test_the_image_cache_without_diskcache_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "diskcache", None)  # as when the `train` extra is not installed
+    with pytest.raises(ImportError, match=re.escape('pip install -e ".[train]"')):
+        ImageUrlCache(tmp_path / "image_cache", max_bytes=10**8)
 
 
 def test_a_page_served_in_place_of_an_image_is_a_bad_example_and_is_not_cached(processor, image_server, tmp_path):
