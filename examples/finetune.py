@@ -5,8 +5,9 @@
         --gradient-checkpointing [--merge]
     torchrun --nproc_per_node 8 -m examples.finetune ...     # data parallel, one process per GPU
 
-`--output` receives the adapter (peft's format) or the fully fine-tuned model, the processor files, and the Trainer's
-checkpoints (`checkpoint-N/`, resumed with `--resume`); `--merge` also writes `OUTPUT/merged/`: the base model with
+`--output` receives the adapter (peft's format) or the fully fine-tuned model, the processor files, the Trainer's
+checkpoints (`checkpoint-N/`, resumed with `--resume`) and, when the data has image URLs, `image_cache/` (their fetched
+bytes, read again by later runs into the same folder); `--merge` also writes `OUTPUT/merged/`: the base model with
 the adapter folded in, in the original checkpoint layout (per-expert keys), ready for `python -m hub_upload export`.
 """
 
@@ -37,7 +38,7 @@ ROUTED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROJECTOR = "multi_modal_projector"
 VISION_TOWER = "vision_tower"
 MERGED_FOLDER = "merged"
-IMAGE_CACHE_FOLDER = "image_cache"  # in --output: the bytes of the data's image URLs, fetched once per run
+IMAGE_CACHE_FOLDER = "image_cache"  # in --output: the bytes of the data's image URLs, fetched once
 DEFAULT_IMAGE_CACHE_SIZE = "10GB"
 DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 1e-5}
 DEFAULT_LORA_RANK = 16
@@ -214,7 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--image-cache-size",
         default=DEFAULT_IMAGE_CACHE_SIZE,
         help=f"most disk space for the fetched bytes of image URLs, kept in OUTPUT/{IMAGE_CACHE_FOLDER}/ so that each "
-        f"is fetched once per run; the least recently used go past it (default {DEFAULT_IMAGE_CACHE_SIZE})",
+        "is fetched once (also across runs into the same --output); the least recently used go past it "
+        f"(default {DEFAULT_IMAGE_CACHE_SIZE})",
     )
     args = parser.parse_args(argv)
     given_lora_options = [option.option_strings[0] for option in lora_options if getattr(args, option.dest) is not None]

@@ -19,7 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="write a self-contained trust_remote_code folder from an original one")
-    export.add_argument("--source", required=True, help="Kimi-VL folder in the original layout")
+    export.add_argument(
+        "--source",
+        required=True,
+        help="Kimi-VL folder: the original hub layout, or one written by save_pretrained (a fine-tune, or a model "
+        "quantized by this project's KimiVLWeightOnlyConfig) with the processor saved beside it",
+    )
     export.add_argument("--out", required=True, help="folder to create (refused if it exists, unless --overwrite)")
     export.add_argument(
         "--max-shard-size",

@@ -9,22 +9,25 @@
                                --delete-added-files as well) is first moved into an aside folder
                                `.NAME.kimi-vl-export-old-XXXXXXXX` (8 random hex digits) and deleted afterwards
 
-Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the
-new folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
+Any failure or interrupt (KeyboardInterrupt included, and SIGTERM, which the command line turns into one) before the new
+folder is in place removes the temp folder and leaves the target as it was. What can stay behind: a process killed
 outright leaves its temp folder `.NAME.partial-XXXXXXXX` (8 random hex digits) with its lock file
 `.NAME.partial-XXXXXXXX.lock` beside it, and one killed or interrupted inside `publish` can leave the old target in its
-aside folder (whole if the new folder was not in place yet, partly deleted if it was). The next export to the same
-target cleans up both first, touching no folder of any other name. A temp folder is deleted unless a running export
-holds its lock (a `filelock.FileLock` on the lock file, which the system releases when the process ends, however it
-ends). Each export takes that lock before it creates its temp folder, so another export's clean-up never finds a
-running export's folder unlocked. (A process killed in the instant between taking the lock and creating the folder,
-or between removing the folder and its lock file, leaves the empty lock file alone: no export can tell it from the lock
-file of an export that is just starting, so none deletes it.) Aside folders are settled: if the target exists, the
-aside folder was already replaced and is deleted; if the target is missing, the old folder goes back into place when
-it is a complete export (as `check_export_folder` says), and is otherwise left where it is, named in a warning (until
-a later export, with the target then in place, deletes it as above).
+aside folder (whole if the new folder was not in place yet, partly deleted if it was; a killed one leaves the aside
+folder's lock file too). The next export to the same target cleans up both first, touching no folder of any other name.
+A temp folder is deleted unless a running export holds its lock (a `filelock.FileLock` on the lock file, which the
+system releases when the process ends, however it ends). Each export takes that lock before it creates its temp folder,
+so another export's clean-up never finds a running export's folder unlocked. (A process killed in the instant between
+taking the lock and creating the folder, or between removing the folder and its lock file, leaves an empty lock file
+behind, which every export leaves alone: none can tell it from the lock file of an export that is just starting. So does
+an export on Windows whose lock file another export's clean-up had open when it tried to delete it.) Aside folders are
+locked the same way, from before `publish` creates one until it is deleted, and only those whose lock nobody holds are
+settled: if the target exists, the aside folder was already replaced and is deleted; if the target is missing, the old
+folder goes back into place when it is a complete export (as `check_export_folder` says), and is otherwise left where it
+is, named in a warning (until a later export, with the target then in place, deletes it as above).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -55,6 +58,7 @@ from .source import (
     TOKENIZER_MODEL_NAME,
     ExportInputError,
     SourceCheckpoint,
+    is_plain_file_name,
     read_source,
 )
 from .verify import DEFAULT_VERIFY_TIMEOUT_S, verify_export
@@ -112,7 +116,8 @@ def export_checkpoint(
         raise ExportInputError(source, problems)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging, staging_lock = _create_staging(out)  # locked until the export ends: not abandoned
+    staging = out.parent / f"{_staging_prefix(out)}{secrets.token_hex(STAGING_SUFFIX_BYTES)}"
+    staging_lock = _create_locked_folder(staging)  # until the export ends: not abandoned
     try:
         num_shards = _write_export(checkpoint, staging, max_shard_bytes, code_files, card)
         for path in staging.iterdir():
@@ -205,50 +210,58 @@ def _write_json(path: Path, content: dict) -> None:
 
 def _publish(staging: Path, out: Path) -> None:
     """Move the finished folder to `out`. An existing `out` is renamed aside first and deleted only afterwards, so a
-    failure in between puts it back (a killed process leaves it aside for `_settle_interrupted_publish`)."""
+    failure in between puts it back (a killed process leaves it aside for `_settle_interrupted_publish`). The aside
+    folder is locked as a temp folder is, until it is gone: another export's settling leaves it alone meanwhile."""
     if not out.exists():
         os.rename(staging, out)
         return
     aside = out.parent / f"{_aside_prefix(out)}{secrets.token_hex(ASIDE_SUFFIX_BYTES)}"
-    aside.mkdir()  # a name taken already (by a 1 in 4 billion chance) fails here, before anything moved
-    os.rename(out, aside / out.name)
+    aside_lock = _create_locked_folder(aside)
     try:
-        os.rename(staging, out)
-    except BaseException:
-        os.rename(aside / out.name, out)
-        raise
-    shutil.rmtree(aside)
+        os.rename(out, aside / out.name)
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(aside / out.name, out)
+            raise
+        shutil.rmtree(aside)
+    finally:
+        _release_and_remove(aside_lock)
 
 
 def _staging_prefix(out: Path) -> str:
     return f".{out.name}.partial-"
 
 
-def _staging_lock(staging: Path) -> FileLock:
-    """The lock of the temp folder `staging`: its lock file beside it, taken without waiting (`Timeout` if held)."""
-    return FileLock(staging.with_name(staging.name + LOCK_SUFFIX), timeout=0)
+def _folder_lock(folder: Path) -> FileLock:
+    """The lock of an export's temp or aside folder: its lock file beside it, taken without waiting (`Timeout` if
+    held)."""
+    return FileLock(folder.with_name(folder.name + LOCK_SUFFIX), timeout=0)
 
 
-def _create_staging(out: Path) -> tuple[Path, FileLock]:
-    """A new temp folder beside `out` and its lock, held. The lock is taken before the folder exists, so that another
-    export's `_remove_abandoned_staging`, which deletes the temp folders whose lock nobody holds, never sees it free."""
-    staging = out.parent / f"{_staging_prefix(out)}{secrets.token_hex(STAGING_SUFFIX_BYTES)}"
-    lock = _staging_lock(staging)
+def _create_locked_folder(folder: Path) -> FileLock:
+    """Create the temp or aside folder `folder` and return its lock, held. The lock is taken before the folder exists,
+    so that another export's clean-up (`_remove_abandoned_staging`, `_settle_interrupted_publish`), which handles only
+    the folders whose lock nobody holds, never sees it free."""
+    lock = _folder_lock(folder)
     lock.acquire()  # a name in use already (by a 1 in 4 billion chance) fails here or in mkdir, before anything else
     try:
-        staging.mkdir()
-        staging.chmod(0o755)  # an ordinary folder, readable by everyone as a download is, whatever the umask
+        folder.mkdir()
+        folder.chmod(0o755)  # an ordinary folder, readable by everyone as a download is, whatever the umask
     except BaseException:
         _release_and_remove(lock)
         raise
-    return staging, lock
+    return lock
 
 
 def _release_and_remove(lock: FileLock) -> None:
-    """Release a temp folder's lock and delete its file (filelock keeps the file on Unix, for other waiters; nobody
-    waits for a temp folder's lock), once the folder is gone."""
+    """Release a temp or aside folder's lock and delete its file (filelock keeps the file on Unix, for other waiters;
+    nobody waits for these locks), once the folder is gone. A lock file that cannot be deleted stays, empty: Windows
+    refuses while another export's clean-up has it open, and the export (published, or failing with its own error)
+    must not fail on it."""
     lock.release()
-    Path(lock.lock_file).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        Path(lock.lock_file).unlink(missing_ok=True)
 
 
 def _remove_abandoned_staging(out: Path) -> None:
@@ -258,7 +271,7 @@ def _remove_abandoned_staging(out: Path) -> None:
     for staging in sorted(out.parent.glob(glob.escape(_staging_prefix(out)) + "*")):
         if not staging_name.fullmatch(staging.name) or not staging.is_dir() or staging.is_symlink():
             continue
-        lock = _staging_lock(staging)
+        lock = _folder_lock(staging)
         try:
             lock.acquire()
         except Timeout:  # a running export's
@@ -287,20 +300,33 @@ def _settle_interrupted_publish(out: Path) -> None:
     for aside in sorted(out.parent.glob(glob.escape(_aside_prefix(out)) + "*")):
         if not aside_name.fullmatch(aside.name) or not aside.is_dir() or aside.is_symlink():
             continue
-        if out.exists():
-            shutil.rmtree(aside)
+        lock = _folder_lock(aside)
+        try:
+            lock.acquire()
+        except Timeout:  # a running export's publish, between its renames or deleting the old target
             continue
-        problems = check_export_folder(aside / out.name)
-        if problems:
-            warnings.warn(
-                f"{aside} is left by an interrupted export into {out} but does not hold a complete export "
-                f"({'; '.join(problems[:3])}), so it was not put back and is left as it is; move out what you need "
-                f"before the next export into {out}, which deletes it once {out} exists",
-                stacklevel=3,
-            )
-            continue
-        os.rename(aside / out.name, out)
+        try:
+            if aside.is_dir():  # not removed by that export, or by another's settling, in the meantime
+                _settle_aside_folder(aside, out)
+        finally:
+            _release_and_remove(lock)
+
+
+def _settle_aside_folder(aside: Path, out: Path) -> None:
+    if out.exists():
         shutil.rmtree(aside)
+        return
+    problems = check_export_folder(aside / out.name)
+    if problems:
+        warnings.warn(
+            f"{aside} is left by an interrupted export into {out} but does not hold a complete export "
+            f"({'; '.join(problems[:3])}), so it was not put back and is left as it is; move out what you need "
+            f"before the next export into {out}, which deletes it once {out} exists",
+            stacklevel=4,
+        )
+        return
+    os.rename(aside / out.name, out)
+    shutil.rmtree(aside)
 
 
 def check_export_folder(folder: str | Path) -> list[str]:
@@ -344,8 +370,13 @@ def _weight_problems(folder: Path) -> list[str]:
         weight_map = json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
     except (ValueError, KeyError, TypeError):
         return [f"{INDEX_NAME} has no weight_map"]
+    if not isinstance(weight_map, dict):
+        return [f"{INDEX_NAME} has no weight_map object"]
     if not weight_map:
         return [f"{INDEX_NAME} lists no tensors"]
+    not_file_names = sorted({repr(name) for name in weight_map.values() if not is_plain_file_name(name)})
+    if not_file_names:  # an export's shards sit beside its index; nothing elsewhere is read
+        return [f"{INDEX_NAME} names {name} as a shard, which is not a file name beside it" for name in not_file_names]
     problems = []
     for file_name in sorted(set(weight_map.values())):
         if not (folder / file_name).is_file():

@@ -7,6 +7,7 @@ and nothing has been written when the error is raised.
 """
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,11 +245,35 @@ def _check_quantization_config(config: dict, problems: list[str]) -> tuple[bool,
     if quant_method != QUANT_METHOD:
         problems.append(f"{CONFIG_NAME}'s quantization_config has quant_method {quant_method!r}: {exportable}")
         return False, None
+    pattern_problems = _module_pattern_problems(quantization.get("modules_to_not_convert"))
+    if pattern_problems:
+        problems.extend(pattern_problems)
+        return False, None
     try:
         return True, KimiVLWeightOnlyConfig.from_dict(quantization)
     except (ValueError, TypeError) as error:
         problems.append(f"{CONFIG_NAME}'s quantization_config is not a valid {QUANT_METHOD} config: {error}")
         return False, None
+
+
+def _module_pattern_problems(modules) -> list[str]:
+    """Why a quantization_config's `modules_to_not_convert` (None: the default list) cannot be matched against module
+    names as transformers matches them (each entry a prefix, regex or suffix). Checked here because the config class
+    takes any iterable (a string becomes its characters) and a bad regex fails only when a module is matched."""
+    if modules is None:
+        return []
+    name = f"{CONFIG_NAME}'s quantization_config's modules_to_not_convert"
+    problems = []
+    if not isinstance(modules, list) or not all(isinstance(module, str) for module in modules):
+        problems.append(f"{name} must be a list of module names (strings), got {modules!r}")
+    for pattern in modules if isinstance(modules, list) else ():
+        if not isinstance(pattern, str):
+            continue
+        try:
+            re.compile(f"(?:{pattern})")  # as transformers' should_convert_module uses it
+        except re.error as error:
+            problems.append(f"{name}: {pattern!r} is not a valid regular expression ({error})")
+    return problems
 
 
 def expected_checkpoint_tensors(
@@ -306,17 +331,23 @@ def _check_tensors_against_model(
         ],
         "tensor {}",
     )
-    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`.
+    # The quantized layout: the integer weights, and the scales the quantizer saves beside them as `<weight>_scale`,
+    # expected by the config or found in the checkpoint (quantized where the config keeps the model dtype).
     in_layout = [
         name
         for name in (*missing, *wrong_shape, *wrong_dtype)
         if expected[name].dtype in SAFETENSORS_INTEGER_DTYPES or name.endswith("_scale")
+    ] + [
+        name
+        for name in (*unexpected, *wrong_dtype)
+        if found[name].dtype in SAFETENSORS_INTEGER_DTYPES.values() or name.endswith("_scale")
     ]
     if quantization is not None and in_layout:
         problems.append(
             f"the quantized tensors above do not fit {CONFIG_NAME}'s quantization_config, {quantization.describe()}; "
             "each weight's scales beside it as <weight>_scale (the routed experts': one gate_up_proj_scale and one "
-            "down_proj_scale per layer)"
+            "down_proj_scale per layer); kept in the model dtype: the modules matching modules_to_not_convert "
+            f"{quantization.modules_to_not_convert}"
         )
 
 
@@ -361,9 +392,9 @@ def _unsafe_files(folder: Path) -> list[str]:
     problems += [
         f"{INDEX_NAME} names {name} as a shard, which is not a file name in the source folder (shards sit beside "
         "the index)"
-        for name in sorted({repr(name) for name in shard_names if not _is_plain_file_name(name)})
+        for name in sorted({repr(name) for name in shard_names if not is_plain_file_name(name)})
     ]
-    plain = {name for name in shard_names if _is_plain_file_name(name)}
+    plain = {name for name in shard_names if is_plain_file_name(name)}
     return problems + _link_problems(folder, plain - read_names, allowed)
 
 
@@ -392,7 +423,8 @@ def _index_shard_names(index: Path) -> list:
     return list(weight_map.values()) if isinstance(weight_map, dict) else []
 
 
-def _is_plain_file_name(name) -> bool:
+def is_plain_file_name(name) -> bool:
+    """Whether an index's shard name names a file directly in the index's folder (no folder part, not . or ..)."""
     return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 

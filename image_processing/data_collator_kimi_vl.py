@@ -38,26 +38,40 @@ class ImageUrlCache:
     """An on-disk cache of fetched image bytes, keyed by URL, for `load_chat_jsonl` and `KimiVLDataCollator`: each URL
     is fetched once, then read from `folder` in every epoch, data-loader worker and process of a run (diskcache is
     process-safe). It holds at most about `max_bytes`: past that, the least recently used images are dropped (and
-    fetched again when next needed). Decoded images are never kept. The folder is made at the first URL."""
+    fetched again when next needed). It keeps the bytes as fetched, and only those that decode as an image; never
+    the decoded images. The folder is made at the first URL."""
 
     def __init__(self, folder: str | Path, max_bytes: int):
         if max_bytes < 1:
             raise ValueError(f"the image cache needs a size of at least 1 byte, got {max_bytes}.")
+        try:
+            from diskcache import Cache  # the `train` extra; the rest of the package needs none
+        except ImportError as error:  # said here, not as the reason every example with a URL is a bad one
+            raise ImportError(
+                'ImageUrlCache needs diskcache, which the `train` extra installs: pip install -e ".[train]"'
+            ) from error
         self.folder = Path(folder)
         self.max_bytes = max_bytes
+        self._cache_class = Cache
 
     def read(self, url: str) -> bytes:
         content = self._cache.get(url)
         if content is None:
             content = fetch_url(url)  # a failed fetch raises, so it is never cached
+            # Nor is a body that is not an image (a login or error page served with status 200): every later read,
+            # in this run and in the next ones into the same folder, would get it back instead of fetching again.
+            decode_image(content)
             self._cache.set(url, content)
         return content
 
     @functools.cached_property
     def _cache(self) -> Cache:
-        from diskcache import Cache  # the `train` extra (pip install -e ".[train]"); the rest of the package needs none
+        return self._cache_class(str(self.folder), size_limit=self.max_bytes, eviction_policy="least-recently-used")
 
-        return Cache(str(self.folder), size_limit=self.max_bytes, eviction_policy="least-recently-used")
+
+def decode_image(content: bytes) -> Image.Image:
+    """An image file's bytes, decoded as transformers' `load_image` decodes them (upright by EXIF orientation, RGB)."""
+    return load_image(Image.open(BytesIO(content)))
 
 
 def fetch_url(url: str) -> bytes:
@@ -281,10 +295,9 @@ def _with_resolved_images(message: dict, folder: Path) -> dict:
 
 
 def _fetch(url: str, image_cache: ImageUrlCache | None):
-    """The image at `url`, decoded as transformers' `load_image` decodes it (upright by its EXIF orientation, RGB)."""
+    """The image at `url`, decoded by `decode_image`."""
     try:
-        content = image_cache.read(url) if image_cache is not None else fetch_url(url)
-        return load_image(Image.open(BytesIO(content)))
+        return decode_image(image_cache.read(url) if image_cache is not None else fetch_url(url))
     except Exception as error:  # noqa: BLE001 - network, HTTP and decoding failures all mean "no image from here"
         raise ValueError(f"image {url!r} could not be fetched and read: {error}") from error
 

@@ -5,6 +5,7 @@ import http.server
 import json
 import re
 import shutil
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -145,8 +146,8 @@ def test_unreachable_image_url_is_a_bad_example(processor, tmp_path):
 
 @pytest.fixture
 def image_server(data_dir):
-    """An HTTP server on this machine serving `data_dir`'s images (404 for any other path), counting the requests of
-    each path; yields (base URL, Counter of paths)."""
+    """An HTTP server on this machine serving `data_dir`'s images, a login page at /login (status 200) and 404 for any
+    other path, counting the requests of each path; yields (base URL, Counter of paths)."""
     requests = Counter()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -157,6 +158,10 @@ def image_server(data_dir):
                 body = file.read_bytes()
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
+            elif self.path == "/login":  # a page served with status 200 where an image was asked for
+                body = b"<html>Please log in</html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
             else:
                 body = b"not here"
                 self.send_response(404)
@@ -223,6 +228,23 @@ def test_a_failed_fetch_is_an_error_naming_the_example_and_is_not_cached(process
     with pytest.raises(ValueError, match=rf"example 1 of the batch: image {re.escape(repr(missing))} could not be"):
         KimiVLDataCollator(processor, image_cache=cache)(batch)
     assert requests == {"/images/missing.png": 2}  # the failure was not kept: asked again, fetched again
+
+
+def test_the_image_cache_without_diskcache_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "diskcache", None)  # as when the `train` extra is not installed
+    with pytest.raises(ImportError, match=re.escape('pip install -e ".[train]"')):
+        ImageUrlCache(tmp_path / "image_cache", max_bytes=10**8)
+
+
+def test_a_page_served_in_place_of_an_image_is_a_bad_example_and_is_not_cached(processor, image_server, tmp_path):
+    base, requests = image_server
+    page = f"{base}/login"
+    path = write_jsonl(tmp_path / "urls.jsonl", [[user(image(page), text("?")), assistant("x")]])
+    cache = ImageUrlCache(tmp_path / "image_cache", max_bytes=10**8)
+    for _ in range(2):
+        examples, bad = load_chat_jsonl(path, processor, image_cache=cache)
+        assert examples == [] and f"image {page!r} could not be fetched and read" in bad[0].reason
+    assert requests == {"/login": 2}  # the page was not kept: asked again, fetched again
 
 
 @pytest.mark.parametrize("examples", [[], [{"conversation": TEXT_ONLY}], [{"messages": "Hello"}], ["Hello"]])

@@ -362,7 +362,7 @@ def test_the_verification_child_dies_with_an_export_killed_outright(source, tmp_
 
 def test_the_temp_folder_of_a_running_export_is_left_alone(source, tmp_path):
     running = tmp_path / ".out.partial-abcd1234"
-    lock = export_module._staging_lock(running)
+    lock = export_module._folder_lock(running)
     lock.acquire()  # as the export holding it does, from before the folder exists until it ends
     running.mkdir()
     try:
@@ -389,6 +389,23 @@ def test_a_temp_folder_is_locked_from_the_moment_it_exists(source, tmp_path, mon
     monkeypatch.setattr(os, "mkdir", make_folder_then_clean_up)
     export_checkpoint(source, out, verify=False)
     assert cleaned_up_after and check_export_folder(out) == [] and leftovers(tmp_path) == []
+
+
+def test_a_lock_file_that_cannot_be_deleted_does_not_fail_the_export(source, tmp_path, monkeypatch):
+    """Windows refuses to delete a file another process has open, as a concurrent export's clean-up may have the lock
+    file while it tries the lock: the export is published all the same, and only the empty lock file stays."""
+    unlink = Path.unlink
+
+    def refuse_lock_files(path, *args, **kwargs):
+        if path.name.endswith(".lock"):
+            raise PermissionError(13, "The process cannot access the file because it is being used", str(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refuse_lock_files)
+    export_checkpoint(source, tmp_path / "out", verify=False)
+    assert check_export_folder(tmp_path / "out") == []
+    [lock_file] = leftovers(tmp_path)
+    assert re.fullmatch(r"\.out\.partial-[0-9a-f]{8}\.lock", lock_file)
 
 
 def test_reexport_is_idempotent(exported, tmp_path):
@@ -678,6 +695,25 @@ def test_publish_names_its_aside_folder_as_the_settling_expects(exported, source
     assert leftovers(tmp_path) == []
 
 
+def test_the_aside_folder_of_a_running_publish_is_left_alone(exported, source, tmp_path):
+    """An export whose publish has moved the old target aside and not yet put the new one in place (or is deleting the
+    old one) holds the aside folder's lock: another export into the same target neither moves it back nor deletes it."""
+    out, aside = tmp_path / "out", tmp_path / ".out.kimi-vl-export-old-0123abcd"
+    lock = export_module._folder_lock(aside)
+    lock.acquire()  # as the publishing export does, from before the folder exists until it is gone
+    shutil.copytree(exported, aside / "out")
+    try:
+        export_checkpoint(source, out, verify=False)  # out is missing, as in the middle of that publish
+        assert check_export_folder(out) == [] and check_export_folder(aside / "out") == []
+        export_checkpoint(source, out, verify=False, overwrite=True)  # out is in place, as while the old one is deleted
+        assert check_export_folder(aside / "out") == []
+        assert leftovers(tmp_path) == [aside.name, aside.name + ".lock"]
+    finally:
+        lock.release()
+    export_checkpoint(source, out, verify=False, overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
 def test_an_aside_folder_that_is_not_a_complete_export_is_not_put_back(exported, source, tmp_path):
     out, aside = tmp_path / "out", tmp_path / ".out.kimi-vl-export-old-0123abcd"
     shutil.copytree(exported, aside / "out")
@@ -819,6 +855,26 @@ def test_push_dry_run_sends_nothing(exported):
     config_size = (exported / "config.json").stat().st_size
     expected_size = [f"{config_size / 1000:.2f}", "KB"] if config_size >= 1000 else [str(config_size), "B"]
     assert listed["config.json"] == expected_size
+
+
+@pytest.mark.parametrize(
+    "weight_map, problem",
+    [
+        (["model-00001-of-00001.safetensors"], "has no weight_map object"),
+        ({"a.weight": ["model-00001-of-00001.safetensors"]}, "names ['model-00001-of-00001.safetensors'] as a shard"),
+        ({"a.weight": "../model-00001-of-00001.safetensors"}, "names '../model-00001-of-00001.safetensors' as a shard"),
+    ],
+)
+def test_a_folder_whose_index_is_malformed_is_not_an_export(exported, tmp_path, weight_map, problem):
+    """push, and --overwrite of the folder, are refused with the reason (an export's shards sit beside its index)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert any(problem in line for line in check_export_folder(broken)), check_export_folder(broken)
+    with pytest.raises(PushError, match=re.escape(problem)):
+        plan_upload(broken)
+    with pytest.raises(ExportInputError, match="is not a complete export"):
+        export_checkpoint(exported, broken, verify=False, overwrite=True)
 
 
 def test_push_refuses_incomplete_exports(exported, source, tmp_path):

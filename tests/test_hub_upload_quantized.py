@@ -237,6 +237,22 @@ BAD_QUANTIZED_SOURCES = {
         ["not a valid kimi_vl_weight_only config: Unsupported weight-only quantization scheme 'int3'"],
         "tensor",
     ),
+    "modules_to_not_convert not a list": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"].update(modules_to_not_convert="vision_tower")),
+        ["quantization_config's modules_to_not_convert must be a list of module names (strings), got 'vision_tower'"],
+        "tensor",
+    ),
+    "modules_to_not_convert with a bad pattern": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"].update(modules_to_not_convert=["vision_tower", "[", 7])),
+        [
+            "quantization_config's modules_to_not_convert must be a list of module names (strings), got "
+            "['vision_tower', '[', 7]",
+            "'[' is not a valid regular expression",
+        ],
+        "tensor",
+    ),
     "group size that does not divide the layers": (
         "int4",
         _edit_config(lambda c: c["quantization_config"].update(group_size=48)),
@@ -259,6 +275,18 @@ BAD_QUANTIZED_SOURCES = {
             "one scale per 32 inputs of each output channel;",
         ],
         LM_HEAD + " in",  # the packed weights themselves are right
+    ),
+    "quantized weights of a module the config keeps in the model dtype": (
+        "int8",
+        _edit_config(lambda c: c["quantization_config"]["modules_to_not_convert"].append("lm_head")),
+        [
+            f"unexpected tensor {LM_HEAD}_scale (the config's model has no such weight)",
+            f"{LM_HEAD} in model.safetensors is I8, the config needs F64 or F32 or F16 or BF16",
+            INT8_LAYOUT,
+            "kept in the model dtype: the modules matching modules_to_not_convert ['vision_tower', "
+            "'multi_modal_projector', 'kv_b_proj', 'lm_head']",
+        ],
+        "missing",
     ),
     "int4 weight not packed": (
         "int4",
