@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # the label the loss skips (transformers' convention)
 URL_PREFIXES = ("http://", "https://")
 FETCH_TIMEOUT_S = 60  # per image URL: a host that does not answer is a failed fetch, not a hung run
+# The largest image body fetched: a URL that points at something larger is a failed fetch, read no further (a 16-bit
+# 8K x 8K RGBA PNG, uncompressed, is 512 MiB).
+MAX_FETCH_BYTES = 512 * 2**20
 
 
 class ImageUrlCache:
@@ -75,9 +78,13 @@ def decode_image(content: bytes) -> Image.Image:
 
 
 def fetch_url(url: str) -> bytes:
-    """The body of a GET of `url`; an error for no answer within FETCH_TIMEOUT_S or an HTTP error status."""
+    """The body of a GET of `url`; an error for no answer within FETCH_TIMEOUT_S, an HTTP error status, or a body over
+    MAX_FETCH_BYTES (read no further than one byte past it)."""
     with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
-        return response.read()
+        body = response.read(MAX_FETCH_BYTES + 1)
+    if len(body) > MAX_FETCH_BYTES:
+        raise ValueError(f"the body is larger than {MAX_FETCH_BYTES} bytes (MAX_FETCH_BYTES), too large for an image")
+    return body
 
 
 @dataclass

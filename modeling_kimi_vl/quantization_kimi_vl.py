@@ -207,6 +207,10 @@ class KimiVLWeightOnlyConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.scheme = scheme
         self.group_size = group_size
+        if modules_to_not_convert is not None and (
+            isinstance(modules_to_not_convert, str) or not all(isinstance(name, str) for name in modules_to_not_convert)
+        ):
+            raise ValueError(f"modules_to_not_convert must be a list of module names, got {modules_to_not_convert!r}.")
         self.modules_to_not_convert = (
             list(DEFAULT_MODULES_TO_NOT_CONVERT) if modules_to_not_convert is None else list(modules_to_not_convert)
         )

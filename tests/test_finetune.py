@@ -230,6 +230,16 @@ def test_a_failed_fetch_is_an_error_naming_the_example_and_is_not_cached(process
     assert requests == {"/images/missing.png": 2}  # the failure was not kept: asked again, fetched again
 
 
+def test_a_body_over_the_fetch_limit_is_a_bad_example_read_no_further(processor, image_server, tmp_path, monkeypatch):
+    base, _ = image_server
+    monkeypatch.setattr("image_processing.data_collator_kimi_vl.MAX_FETCH_BYTES", 10)  # the served PNGs are larger
+    url = f"{base}/images/tall.png"
+    path = write_jsonl(tmp_path / "urls.jsonl", [[user(image(url), text("?")), assistant("x")]])
+    cache = ImageUrlCache(tmp_path / "image_cache", max_bytes=10**8)
+    examples, bad = load_chat_jsonl(path, processor, image_cache=cache)
+    assert examples == [] and "larger than 10 bytes" in bad[0].reason
+
+
 def test_the_image_cache_without_diskcache_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "diskcache", None)  # as when the `train` extra is not installed
     with pytest.raises(ImportError, match=re.escape('pip install -e ".[train]"')):

@@ -334,6 +334,8 @@ def test_unsupported_scheme_and_group_size_are_refused():
         KimiVLWeightOnlyConfig("int3")
     with pytest.raises(ValueError, match="group_size must be a positive even integer, got 7"):
         KimiVLWeightOnlyConfig("int4", group_size=7)
+    with pytest.raises(ValueError, match="modules_to_not_convert must be a list of module names, got 'lm_head'"):
+        KimiVLWeightOnlyConfig("int8", modules_to_not_convert="lm_head")  # not its characters
 
 
 def test_a_misspelt_option_is_refused_not_dropped(reference_checkpoint):
