@@ -35,6 +35,7 @@ import re
 import secrets
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,18 +268,26 @@ def _release_and_remove(lock: FileLock) -> None:
 def _remove_abandoned_staging(out: Path) -> None:
     """Delete the temp folders of exports into `out` that were killed outright (see the module docstring), with their
     lock files: those of exactly the form the export names them whose lock no running export holds."""
-    staging_name = re.compile(re.escape(_staging_prefix(out)) + f"[0-9a-f]{{{2 * STAGING_SUFFIX_BYTES}}}")
-    for staging in sorted(out.parent.glob(glob.escape(_staging_prefix(out)) + "*")):
-        if not staging_name.fullmatch(staging.name) or not staging.is_dir() or staging.is_symlink():
+    for staging in _abandoned_folders(out, _staging_prefix(out), STAGING_SUFFIX_BYTES):
+        shutil.rmtree(staging)
+
+
+def _abandoned_folders(out: Path, prefix: str, suffix_bytes: int) -> Iterator[Path]:
+    """The folders beside `out` named `prefix` + `suffix_bytes` random bytes in hex (exactly as an export names its
+    temp or aside folders; links and anything else are left alone) whose lock no running export holds. Each is
+    yielded with its lock held, which is released, and its file deleted, when the caller is done with it."""
+    name = re.compile(re.escape(prefix) + f"[0-9a-f]{{{2 * suffix_bytes}}}")
+    for folder in sorted(out.parent.glob(glob.escape(prefix) + "*")):
+        if not name.fullmatch(folder.name) or not folder.is_dir() or folder.is_symlink():
             continue
-        lock = _folder_lock(staging)
+        lock = _folder_lock(folder)
         try:
             lock.acquire()
         except Timeout:  # a running export's
             continue
         try:
-            if staging.is_dir():  # not removed by the export that just ended, or by another's clean-up
-                shutil.rmtree(staging)
+            if folder.is_dir():  # not removed by its export, or by another's clean-up, in the meantime
+                yield folder
         finally:
             _release_and_remove(lock)
 
@@ -296,20 +305,8 @@ def _settle_interrupted_publish(out: Path) -> None:
     missing, its old folder goes back into place if it is a complete export; if not, nothing is moved or deleted and a
     warning names the folder (a later export, with `out` then in place, deletes it as above).
     """
-    aside_name = re.compile(re.escape(_aside_prefix(out)) + f"[0-9a-f]{{{2 * ASIDE_SUFFIX_BYTES}}}")
-    for aside in sorted(out.parent.glob(glob.escape(_aside_prefix(out)) + "*")):
-        if not aside_name.fullmatch(aside.name) or not aside.is_dir() or aside.is_symlink():
-            continue
-        lock = _folder_lock(aside)
-        try:
-            lock.acquire()
-        except Timeout:  # a running export's publish, between its renames or deleting the old target
-            continue
-        try:
-            if aside.is_dir():  # not removed by that export, or by another's settling, in the meantime
-                _settle_aside_folder(aside, out)
-        finally:
-            _release_and_remove(lock)
+    for aside in _abandoned_folders(out, _aside_prefix(out), ASIDE_SUFFIX_BYTES):
+        _settle_aside_folder(aside, out)
 
 
 def _settle_aside_folder(aside: Path, out: Path) -> None:
