@@ -1,6 +1,6 @@
 """Helpers shared by the tests (imported by name: tests/ is on sys.path for pytest and for the scripts run from it):
 the repository root, the tiny checkpoint's placeholder id, random images, prompts with placeholder runs, the
-sanitising skip marker."""
+fixture's requests and logits, the sanitising skip marker."""
 
 from pathlib import Path
 
@@ -34,3 +34,20 @@ def prompt_ids(grids, text=(5, 6, 7), after_each_image=None) -> list[int]:
     for rows, cols in grids:
         ids += [PLACEHOLDER_ID] * (rows * cols // 4) + after
     return ids
+
+
+def fixture_request(expected: dict[str, torch.Tensor], device="cpu") -> dict[str, torch.Tensor]:
+    """The reference fixture's multimodal prompt with its images, as model inputs."""
+    return {
+        "input_ids": expected["mm_input_ids"].to(device),
+        "pixel_values": expected["pixel_values"].to(device),
+        "image_grid_hws": expected["image_grid_hws"].to(device),
+    }
+
+
+def fixture_logits(model, expected: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits on the fixture's multimodal prompt and on its text batch, as one `[positions, vocab]`."""
+    with torch.no_grad():
+        multimodal = model(**fixture_request(expected)).logits
+        text = model(input_ids=expected["txt_input_ids"]).logits
+    return torch.cat([multimodal.flatten(0, 1), text.flatten(0, 1)])

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from helpers import fixture_logits, fixture_request
 from safetensors.torch import load_file, save_file
 
 from modeling_kimi_vl import KimiVLForConditionalGeneration, KimiVLWeightOnlyConfig, quantization_kimi_vl
@@ -57,19 +58,6 @@ def kernel_case_inputs(case: str) -> dict:
         "expert_ids": torch.randint(0, experts, (rows * repeats,), generator=generator),
         "repeats": repeats,
     }
-
-
-def fixture_requests(expected: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    return [
-        {"input_ids": expected["mm_input_ids"], "pixel_values": expected["pixel_values"],
-         "image_grid_hws": expected["image_grid_hws"]},
-        {"input_ids": expected["txt_input_ids"]},
-    ]  # fmt: skip
-
-
-def fixture_logits(model, expected) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([model(**request).logits.flatten(0, 1) for request in fixture_requests(expected)])
 
 
 def load_quantized(checkpoint: Path, scheme: str, **kwargs):
@@ -111,7 +99,7 @@ def main() -> None:
             load_quantized(args.checkpoint, scheme, experts_implementation="batched_mm"), expected
         )
         model = load_quantized(args.checkpoint, scheme)
-        request = fixture_requests(expected)[0]
+        request = fixture_request(expected)
         results[f"{scheme}.plain"] = model.generate(**request, max_new_tokens=NEW_TOKENS, do_sample=False)
         results[f"{scheme}.static"] = model.generate(
             **request, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"

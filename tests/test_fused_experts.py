@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from interpreted_kernel_worker import KERNEL_CASES, NEW_TOKENS, fixture_logits, fixture_requests, kernel_case_inputs
+from helpers import fixture_logits, fixture_request
+from interpreted_kernel_worker import KERNEL_CASES, NEW_TOKENS, kernel_case_inputs
 from interpreted_kernel_worker import load_quantized as load_quantized_like_the_worker
 from safetensors.torch import load_file
 
@@ -121,6 +122,6 @@ def test_model_with_the_kernel_equals_the_torch_path(reference_checkpoint, expec
         results[f"{scheme}.logits"], fixture_logits(torch_path_batched, expected), rtol=1e-5, atol=1e-5
     )
     torch_path = load_quantized_like_the_worker(reference_checkpoint, scheme)
-    plain = torch_path.generate(**fixture_requests(expected)[0], max_new_tokens=NEW_TOKENS, do_sample=False)
+    plain = torch_path.generate(**fixture_request(expected), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(results[f"{scheme}.plain"], plain)
     assert torch.equal(results[f"{scheme}.static"], plain)

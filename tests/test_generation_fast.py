@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import prompt_ids, random_images
+from helpers import fixture_request, prompt_ids, random_images
 from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
@@ -41,14 +41,6 @@ def batched_multi_image_request(device="cpu"):
         "image_grid_hws": torch.cat([grids for _, grids in images]),
     }
     return {name: tensor.to(device) for name, tensor in request.items()}
-
-
-def fixture_request(expected, device="cpu"):
-    return {
-        "input_ids": expected["mm_input_ids"].to(device),
-        "pixel_values": expected["pixel_values"].to(device),
-        "image_grid_hws": expected["image_grid_hws"].to(device),
-    }
 
 
 @pytest.fixture

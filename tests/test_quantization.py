@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from helpers import fixture_logits
 from safetensors import safe_open
 from transformers import DistributedConfig
 
@@ -89,17 +90,6 @@ def relative_weight_errors(float_model, quantized_model) -> dict[str, float]:
         restored = module.scheme.dequantize(getattr(module, param), getattr(module, f"{param}_scale"), original.dtype)
         errors[f"{name}.{param}"] = ((restored - original).norm() / original.norm()).item()
     return errors
-
-
-def fixture_logits(model, expected):
-    with torch.no_grad():
-        multimodal = model(
-            input_ids=expected["mm_input_ids"],
-            pixel_values=expected["pixel_values"],
-            image_grid_hws=expected["image_grid_hws"],
-        ).logits
-        text = model(input_ids=expected["txt_input_ids"]).logits
-    return torch.cat([multimodal.flatten(0, 1), text.flatten(0, 1)])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
