@@ -16,10 +16,13 @@ fastest grid axis, so pairs that chose the same expert read each weight block at
 come from L2 rather than memory.
 
 Triton is optional (CUDA builds of torch bring it). The kernel runs on CUDA tensors, and on CPU tensors under Triton's
-interpreter (`TRITON_INTERPRET=1` set before import), which is how the tests check it without a GPU.
+interpreter (`TRITON_INTERPRET=1` set before import), which is how the tests check it without a GPU. Where Triton is
+installed but cannot build or launch it (no C compiler for its launcher, a GPU it does not support), the first call
+warns and the device is marked, and the quantized layers take their torch paths there from then on.
 """
 
 import contextlib
+import warnings
 
 import torch
 from transformers.utils.import_utils import is_triton_available
@@ -101,8 +104,17 @@ else:
     KERNEL_DEVICE_TYPES = ()
 
 
+# Devices where the kernel failed to compile or launch (Triton without a C compiler for its launcher, a GPU it does not
+# support): it is not tried there again, and the quantized layers take their torch paths.
+FAILED_DEVICES: set[torch.device] = set()
+
+
+class FusedKernelUnavailable(RuntimeError):
+    """The kernel cannot run on this device; a warning gave Triton's reason once."""
+
+
 def fused_kernel_runs_on(device: torch.device) -> bool:
-    return device.type in KERNEL_DEVICE_TYPES
+    return device.type in KERNEL_DEVICE_TYPES and device not in FAILED_DEVICES
 
 
 def weight_only_rows_matmul(
@@ -135,19 +147,28 @@ def weight_only_rows_matmul(
     # Triton launches on the current CUDA device's current stream, not on the tensors' device: a model spread over
     # GPUs (device_map) runs layers on other devices than the current one.
     on_inputs_device = torch.cuda.device(inputs.device) if inputs.device.type == "cuda" else contextlib.nullcontext()
-    with on_inputs_device:
-        _weight_only_rows_kernel[grid](
-            inputs.contiguous(),
-            qweight.contiguous(),
-            scale.contiguous(),
-            expert_ids.contiguous(),
-            out,
-            out_features,
-            in_features,
-            pairs_per_input_row,
-            group_size or 0,
-            INT4=int4,
-            BLOCK_ROWS=BLOCK_ROWS,
-            BLOCK_COLS=BLOCK_COLS,
+    try:
+        with on_inputs_device:
+            _weight_only_rows_kernel[grid](
+                inputs.contiguous(),
+                qweight.contiguous(),
+                scale.contiguous(),
+                expert_ids.contiguous(),
+                out,
+                out_features,
+                in_features,
+                pairs_per_input_row,
+                group_size or 0,
+                INT4=int4,
+                BLOCK_ROWS=BLOCK_ROWS,
+                BLOCK_COLS=BLOCK_COLS,
+            )
+    except Exception as error:  # Triton's compile and launch errors share no base class
+        FAILED_DEVICES.add(inputs.device)
+        warnings.warn(
+            f"The fused weight-only kernel cannot run on {inputs.device} ({type(error).__name__}: {error}); quantized "
+            "layers there use their torch paths from now on (correct, but decode reads more memory).",
+            stacklevel=2,
         )
+        raise FusedKernelUnavailable(f"the fused weight-only kernel cannot run on {inputs.device}") from error
     return out

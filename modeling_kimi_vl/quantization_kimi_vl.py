@@ -59,7 +59,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .fused_experts_kimi_vl import fused_kernel_runs_on, weight_only_rows_matmul
+from .fused_experts_kimi_vl import FusedKernelUnavailable, fused_kernel_runs_on, weight_only_rows_matmul
 from .transformers_compat_modeling import QUANTIZATION_MIN_TRANSFORMERS_VERSION, quantization_supported
 
 QUANT_METHOD = "kimi_vl_weight_only"
@@ -256,10 +256,11 @@ class WeightOnlyLinear(nn.Module):
         if fused_kernel_takes(rows) and rows.shape[0] <= FUSED_MAX_PAIRS_PER_WEIGHT:
             # Decode: read the stored weight once, as one "expert" that every row chose.
             only_weight = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
-            out = weight_only_rows_matmul(
+            out = fused_rows_matmul_or_none(
                 rows, self.weight[None], self.weight_scale[None], only_weight, 1, self.scheme.group_size
             )
-            return out.view(*inputs.shape[:-1], self.out_features)
+            if out is not None:
+                return out.view(*inputs.shape[:-1], self.out_features)
         return self.scheme.linear(inputs, self.weight, self.weight_scale)
 
     def extra_repr(self) -> str:
@@ -272,13 +273,24 @@ def fused_kernel_takes(inputs: torch.Tensor) -> bool:
     return fused_kernel_runs_on(inputs.device) and not (inputs.requires_grad and torch.is_grad_enabled())
 
 
+def fused_rows_matmul_or_none(*args) -> torch.Tensor | None:
+    """`weight_only_rows_matmul(*args)`, or None where the kernel cannot run (it warned, once): the caller's torch
+    path then serves, on that device from then on."""
+    try:
+        return weight_only_rows_matmul(*args)
+    except FusedKernelUnavailable:
+        return None
+
+
 def chosen_experts_matmul(
     scheme, inputs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor, repeats: int
 ) -> torch.Tensor:
     """Pair p multiplies input row `p // repeats` by the quantized expert `expert_ids[p]`; only chosen experts are
     read. `[pairs, out]`."""
     if fused_kernel_takes(inputs):
-        return weight_only_rows_matmul(inputs, qweight, scale, expert_ids, repeats, scheme.group_size)
+        out = fused_rows_matmul_or_none(inputs, qweight, scale, expert_ids, repeats, scheme.group_size)
+        if out is not None:
+            return out
     rows = inputs.repeat_interleave(repeats, dim=0) if repeats > 1 else inputs
     return scheme.expert_matmul(rows, qweight[expert_ids], scale[expert_ids])
 

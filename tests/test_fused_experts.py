@@ -125,3 +125,33 @@ def test_model_with_the_kernel_equals_the_torch_path(reference_checkpoint, expec
     plain = torch_path.generate(**fixture_request(expected), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(results[f"{scheme}.plain"], plain)
     assert torch.equal(results[f"{scheme}.static"], plain)
+
+
+class KernelWithoutACompiler:
+    """Stands for the Triton kernel: launching it fails as Triton does where it finds no C compiler."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+        return launch
+
+
+def test_a_kernel_that_cannot_compile_leaves_the_torch_paths_with_one_warning(
+    reference_checkpoint, expected, monkeypatch
+):
+    """Triton installed but unable to build the kernel (no C compiler for its launcher, a GPU it does not support):
+    the quantized layers warn once and compute on their torch paths, then and from then on."""
+    from modeling_kimi_vl import fused_experts_kimi_vl
+
+    # batched_mm: every (token, expert) pair of the prompts would go through the kernel.
+    model = load_quantized_like_the_worker(reference_checkpoint, "int8", experts_implementation="batched_mm")
+    torch_path = fixture_logits(model, expected)
+    monkeypatch.setattr(fused_experts_kimi_vl, "KERNEL_DEVICE_TYPES", ("cpu",))  # as if this CPU were a GPU
+    monkeypatch.setattr(fused_experts_kimi_vl, "FAILED_DEVICES", set())
+    monkeypatch.setattr(fused_experts_kimi_vl, "_weight_only_rows_kernel", KernelWithoutACompiler())
+    with pytest.warns(UserWarning, match="cannot run on cpu .*Failed to find C compiler") as warned:
+        fallen_back = fixture_logits(model, expected)
+    assert len(warned) == 1
+    assert not fused_kernel_runs_on(torch.device("cpu"))
+    torch.testing.assert_close(fallen_back, torch_path, rtol=1e-5, atol=1e-5)
