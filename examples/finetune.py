@@ -256,6 +256,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def read_all_data(
+    data: Path,
+    eval_data: Path | None,
+    processor: KimiVLProcessor,
+    max_length: int,
+    skip_bad: bool,
+    image_cache: ImageUrlCache,
+    training_args: TrainingArguments,
+) -> tuple[list[dict], list[dict] | None]:
+    """The training and evaluation examples, checked by the main process alone (which also fetches their image URLs
+    into the cache) and handed to the other data-parallel processes, so that every process trains on the same examples
+    or stops with the same error. Were each to check the data itself, a URL that fails for one process only would give
+    it a dataset of another length (the processes would then wait on each other at the end of an epoch), and an error
+    in one would leave the others waiting at their next collective."""
+    outcome = None
+    if training_args.process_index == 0:
+        try:
+            examples = read_data(data, processor, max_length, skip_bad, image_cache)
+            eval_examples = read_data(eval_data, processor, max_length, skip_bad, image_cache) if eval_data else None
+            outcome = (examples, eval_examples, None)
+        except SystemExit as error:
+            outcome = (None, None, str(error))
+    if training_args.world_size > 1:
+        shared = [outcome]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        (outcome,) = shared
+    examples, eval_examples, error = outcome
+    if error is not None:
+        raise SystemExit(error)
+    return examples, eval_examples
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     args = parse_args(argv)
     set_seed(args.seed)  # before the adapter's random initialisation (the Trainer seeds only its own steps)
@@ -269,16 +301,12 @@ def main(argv: list[str] | None = None) -> Trainer:
     max_length = args.max_length or model.config.text_config.max_position_embeddings
     training_args = training_arguments(args, has_eval=args.eval_data is not None)
 
-    # The check of the data fetches its image URLs into the cache, on the main process first: the other processes
-    # (data parallel) and then the collator, in every epoch, read them from there.
+    # The check of the data fetches its image URLs into the cache: the collator reads them from there, in every
+    # process and epoch.
     image_cache = ImageUrlCache(args.output / IMAGE_CACHE_FOLDER, args.image_cache_bytes)
-    with training_args.main_process_first(desc="checking the data"):
-        train_examples = read_data(args.data, processor, max_length, args.skip_bad_examples, image_cache)
-        eval_examples = (
-            read_data(args.eval_data, processor, max_length, args.skip_bad_examples, image_cache)
-            if args.eval_data
-            else None
-        )
+    train_examples, eval_examples = read_all_data(
+        args.data, args.eval_data, processor, max_length, args.skip_bad_examples, image_cache, training_args
+    )
 
     model = prepare_model(model, args)
     trainable, total = count_parameters(model)

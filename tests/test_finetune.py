@@ -3,8 +3,10 @@ adapter, the merged model in the original layout, bad examples, and the demo loa
 
 import http.server
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import Trainer
@@ -557,3 +560,31 @@ def test_full_fine_tuning_trains_the_language_model_and_saves_the_original_layou
     with safe_open(tiny_kimi_vl_dir / "model.safetensors", "pt") as original, \
             safe_open(output / "model.safetensors", "pt") as written:  # fmt: skip
         assert set(written.keys()) == set(original.keys())
+
+
+def run_data_check_on_two_processes(processor_dir: Path, data: Path, out: Path, skip_bad: bool) -> list[dict]:
+    """tests/finetune_data_worker.py on 2 torchrun processes (gloo, CPU); what each got: examples or an error."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(Path(__file__).with_name("finetune_data_worker.py")),
+        "--processor", str(processor_dir), "--data", str(data), "--out", str(out),
+        *(["--skip-bad"] if skip_bad else []),
+    ]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("skip_bad", [False, True])
+def test_data_parallel_processes_get_the_main_process_check_of_the_data(tiny_kimi_vl_dir, tmp_path, skip_bad):
+    """Only the main process checks the data; the others get its examples, or its error, and never wait for it."""
+    data = write_jsonl(tmp_path / "train.jsonl", [TEXT_ONLY, TEXT_ONLY])
+    with data.open("a") as file:
+        file.write("{not json\n")  # line 3: a bad example
+    main, other = run_data_check_on_two_processes(tiny_kimi_vl_dir, data, tmp_path / "run", skip_bad)
+    assert other == main  # the same examples or the same error, and no process checked the data but the main one
+    if skip_bad:
+        assert len(main["examples"]) == 2
+    else:
+        assert "1 bad example(s)" in main["error"] and "train.jsonl:line 3:" in main["error"]
