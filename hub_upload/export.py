@@ -129,6 +129,10 @@ def export_checkpoint(
         if verify:
             verify_export(staging, timeout=verify_timeout)
         files = sorted(path.name for path in staging.iterdir())
+        if out.exists() and not overwrite:  # another export into `out` finished while this one ran
+            raise ExportInputError(
+                source, [f"--out {out} appeared while this export ran; pass --overwrite to replace it"]
+            )
         _publish(staging, out)
     except BaseException:  # KeyboardInterrupt included: never leave a half-written folder behind
         shutil.rmtree(staging, ignore_errors=True)

@@ -645,6 +645,22 @@ def test_overwrite_replaces_only_an_earlier_export_or_an_empty_folder(source, tm
     assert leftovers(tmp_path) == []
 
 
+def test_a_target_that_another_export_publishes_meanwhile_is_not_replaced_without_overwrite(
+    exported, source, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+
+    def another_export_publishes(folder, timeout):  # while this export verifies its temp folder
+        shutil.copytree(exported, out)
+        (out / "theirs.txt").write_text("the other export's")
+
+    monkeypatch.setattr(export_module, "verify_export", another_export_publishes)
+    with pytest.raises(ExportInputError, match="appeared while this export ran; pass --overwrite"):
+        export_checkpoint(source, out)
+    assert (out / "theirs.txt").read_text() == "the other export's"
+    assert leftovers(tmp_path) == []
+
+
 def test_overwrite_of_an_export_that_someone_added_files_to_lists_them_and_needs_the_explicit_flag(
     source, exported, tmp_path, capsys
 ):
