@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportInputError, ExportVerificationError, PushError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # the file system's own refusal (permissions, a full disk, a file where a folder goes)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as interrupt:
         stopped_by = signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT
         print(f"error: stopped by {stopped_by.name} before the {args.command} finished", file=sys.stderr)

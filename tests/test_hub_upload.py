@@ -911,3 +911,11 @@ def test_push_refuses_incomplete_exports(exported, source, tmp_path):
     assert "which is missing" in str(caught.value) and "modeling_kimi_vl.py" in str(caught.value)
     with pytest.raises(PushError, match="use ORG/NAME"):
         check_repo_id("no-namespace")
+
+
+def test_the_command_line_reports_a_file_system_refusal_without_a_traceback(source, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / "a_file" / "out"  # its parent is a file: the export cannot make its temp folder there
+    assert cli_main(["export", "--source", str(source), "--out", str(out), "--no-verify"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "a_file" in error and "Traceback" not in error
