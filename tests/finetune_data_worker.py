@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
 from transformers import TrainingArguments
 
 import examples.finetune as finetune
@@ -39,6 +40,10 @@ def main() -> None:
         result = {"error": str(error)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    # Both processes leave together, with the process group closed: one exiting while the other still holds gloo's
+    # connection can abort it ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
